@@ -1,0 +1,270 @@
+"""The numeric check: gradients from the gradient graph against central differences in float64.
+
+The forward model is copied to float64 (every float tensor, constant and cast)
+and evaluated at ``x ± h`` by onnxruntime where it has float64 kernels and by
+``onnx.reference`` where it has not. The objective is the loss, or
+``sum(seed * output)`` for seeded outputs, so one scalar checks a full
+vector-Jacobian product. Small tensors are checked element by element, large
+ones along random directions.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from .builder import FLOAT_TYPES
+
+_TO_DOUBLE = {t: TensorProto.DOUBLE for t in FLOAT_TYPES}
+
+
+# -- running models -------------------------------------------------------------------
+class Runner:
+    """Runs a model with onnxruntime (CPU) when it loads there, else with onnx.reference."""
+
+    def __init__(self, model: onnx.ModelProto, prefer: str = "onnxruntime"):
+        self.model = model
+        self.outputs = [o.name for o in model.graph.output]
+        self.backend = None
+        if prefer == "onnxruntime":
+            try:
+                import onnxruntime as ort
+
+                opts = ort.SessionOptions()
+                opts.log_severity_level = 3
+                self._sess = ort.InferenceSession(model.SerializeToString(), opts,
+                                                  providers=["CPUExecutionProvider"])
+                self.backend = "onnxruntime"
+            except Exception:
+                self.backend = None
+        if self.backend is None:
+            from onnx.reference import ReferenceEvaluator
+
+            self._sess = ReferenceEvaluator(model)
+            self.backend = "reference"
+        self._inputs = {i.name for i in model.graph.input}
+
+    def __call__(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
+        names = outputs or self.outputs
+        feeds = {k: v for k, v in feeds.items() if k in self._inputs}
+        values = self._sess.run(names, feeds)
+        return dict(zip(names, values))
+
+
+# -- float64 copy ---------------------------------------------------------------------
+def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The same model computing in float64: inputs, outputs, initializers, constants and casts."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    del g.value_info[:]
+    for vi in list(g.input) + list(g.output):
+        if vi.type.tensor_type.elem_type in _TO_DOUBLE:
+            vi.type.tensor_type.elem_type = TensorProto.DOUBLE
+    for i, init in enumerate(g.initializer):
+        if init.data_type in _TO_DOUBLE:
+            g.initializer[i].CopyFrom(_double_tensor(init))
+    for node in g.node:
+        _node_to_double(node)
+    return m
+
+
+def _double_tensor(t: onnx.TensorProto) -> onnx.TensorProto:
+    arr = numpy_helper.to_array(t).astype(np.float64)
+    return numpy_helper.from_array(arr, t.name)
+
+
+def _node_to_double(node: onnx.NodeProto) -> None:
+    for a in node.attribute:
+        if a.type == onnx.AttributeProto.TENSOR and a.t.data_type in _TO_DOUBLE:
+            a.t.CopyFrom(_double_tensor(a.t))
+        elif a.name in ("to", "dtype") and a.type == onnx.AttributeProto.INT and a.i in _TO_DOUBLE:
+            a.i = TensorProto.DOUBLE
+        elif a.type == onnx.AttributeProto.GRAPH:
+            for n in a.g.node:
+                _node_to_double(n)
+    if node.op_type == "Constant" and node.attribute[0].name in ("value_float", "value_floats"):
+        a = node.attribute[0]
+        value = np.array(a.f if a.name == "value_float" else list(a.floats), np.float64)
+        del node.attribute[:]
+        node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(value)))
+
+
+def _as_inputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    """Make ``names`` (initializers or intermediate tensors) graph inputs that can be perturbed."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    inputs = {i.name for i in g.input}
+    inits = {i.name: i for i in g.initializer}
+    for name in names:
+        if name in inputs:
+            continue
+        if name in inits:
+            t = inits[name]
+            g.input.append(helper.make_tensor_value_info(name, t.data_type, list(t.dims)))
+            g.initializer.remove(t)
+            continue
+        for node in g.node:
+            for k, o in enumerate(node.output):
+                if o == name:
+                    node.output[k] = name + "__onnxgrad_detached"
+        g.input.append(helper.make_tensor_value_info(name, TensorProto.DOUBLE, None))
+    return m
+
+
+def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    have = {o.name for o in m.graph.output}
+    for name in names:
+        if name not in have:
+            m.graph.output.append(helper.make_empty_tensor_value_info(name))
+    return m
+
+
+# -- inputs ---------------------------------------------------------------------------
+def random_inputs(model: onnx.ModelProto, rng: np.random.Generator | int = 0,
+                  dim: int = 3) -> dict[str, np.ndarray]:
+    """Random values for every graph input without an initializer: floats ~ N(0, 1), integers 0, bools False.
+
+    Unknown dims take ``dim``; a named dim takes the same value everywhere.
+    """
+    rng = np.random.default_rng(rng)
+    inits = {i.name for i in model.graph.initializer}
+    feeds = {}
+    for vi in model.graph.input:
+        if vi.name in inits:
+            continue
+        tt = vi.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else dim for d in tt.shape.dim]
+        np_type = helper.tensor_dtype_to_np_dtype(tt.elem_type)
+        if tt.elem_type in FLOAT_TYPES:
+            feeds[vi.name] = rng.standard_normal(shape).astype(np_type)
+        else:
+            feeds[vi.name] = np.zeros(shape, np_type)
+    return feeds
+
+
+# -- the check ------------------------------------------------------------------------
+@dataclass
+class CheckResult:
+    """``errors[w]``: worst relative error of w's gradient; ``analytic``/``numeric`` the values compared."""
+
+    errors: dict[str, float]
+    analytic: dict[str, np.ndarray]
+    numeric: dict[str, np.ndarray] = field(default_factory=dict)
+    backend: str = ""
+
+    @property
+    def worst(self) -> float:
+        return max(self.errors.values(), default=0.0)
+
+    def ok(self, tol: float) -> bool:
+        return all(np.isfinite(e) and e <= tol for e in self.errors.values())
+
+
+def gradient_spec(grad_model: onnx.ModelProto) -> dict:
+    """wrt, of, loss, gradient and seed names, as the pass recorded them in metadata_props."""
+    meta = {p.key: p.value for p in grad_model.metadata_props}
+    return {k: json.loads(meta[f"onnxgrad.{k}"]) for k in ("wrt", "of", "loss", "gradients", "seeds")}
+
+
+def check(
+    model: onnx.ModelProto,
+    grad_model: onnx.ModelProto,
+    inputs: Mapping[str, np.ndarray] | None = None,
+    *,
+    rng: np.random.Generator | int = 0,
+    eps: float = 1e-6,
+    max_elements: int = 64,
+    directions: int = 3,
+    analytic_run: Callable[[onnx.ModelProto, dict], dict] | None = None,
+) -> CheckResult:
+    """Compare ``grad_model``'s gradients (run in onnxruntime) with central differences of ``model``.
+
+    ``analytic_run(grad_model, feeds) -> {output: value}`` replaces onnxruntime
+    (the tests use it to evaluate the float64 gradient graph too).
+    """
+    rng = np.random.default_rng(rng)
+    spec = gradient_spec(grad_model)
+    wrt, of, loss = spec["wrt"], spec["of"], spec["loss"]
+    feeds = dict(inputs) if inputs is not None else random_inputs(model, rng)
+
+    model64 = to_float64(model)
+    feeds64 = {k: (v.astype(np.float64) if v.dtype.kind == "f" else v) for k, v in feeds.items()}
+    targets = [loss] if loss else list(of)
+    inits = {i.name: numpy_helper.to_array(i) for i in model64.graph.initializer}
+    intermediates = [w for w in wrt if w not in feeds64 and w not in inits]
+    base = Runner(_with_outputs(model64, intermediates + targets))(feeds64, intermediates + targets)
+    start = {w: feeds64[w] if w in feeds64 else inits[w] if w in inits else base[w] for w in wrt}
+    seeds64 = {o: rng.standard_normal(np.shape(base[o])) for o in of}
+
+    gfeeds = dict(feeds)
+    out_dtype = {o.name: o.type.tensor_type.elem_type for o in grad_model.graph.output}
+    for o in of:
+        np_type = helper.tensor_dtype_to_np_dtype(out_dtype.get(o, TensorProto.FLOAT))
+        gfeeds[spec["seeds"][o]] = seeds64[o].astype(np_type)
+    grad_names = [spec["gradients"][w] for w in wrt]
+    if analytic_run is None:
+        values = Runner(grad_model)(gfeeds, grad_names)
+    else:
+        values = analytic_run(grad_model, gfeeds)
+    analytic = {w: np.asarray(values[g], np.float64) for w, g in zip(wrt, grad_names)}
+
+    perturbable = _as_inputs(model64, wrt)
+    run = Runner(perturbable)
+    point = dict(feeds64)
+    point.update({w: np.asarray(start[w], np.float64) for w in wrt})
+
+    def objective(values: dict) -> float:
+        out = run(values, targets)
+        if loss:
+            return float(np.sum(out[loss]))
+        return float(sum(np.sum(seeds64[o] * out[o]) for o in of))
+
+    errors, numeric = {}, {}
+    for w in wrt:
+        x = point[w]
+        a = analytic[w]
+        if a.shape != x.shape:
+            errors[w] = float("inf")
+            continue
+        if x.size <= max_elements:
+            num = np.zeros_like(x)
+            for j in range(x.size):
+                h = eps * max(1.0, abs(x.flat[j]))
+                num.flat[j] = _central(objective, point, w, j, h)
+            numeric[w] = num
+            scale = max(np.max(np.abs(num), initial=0.0), np.max(np.abs(a), initial=0.0))
+            errors[w] = float(np.max(np.abs(a - num), initial=0.0) / (scale + 1e-6))
+        else:
+            worst = 0.0
+            h = eps * max(1.0, float(np.max(np.abs(x))))
+            for _ in range(directions):
+                u = rng.standard_normal(x.shape)
+                u /= np.linalg.norm(u)
+                num = _central(objective, point, w, u, h)
+                an = float(np.sum(a * u))
+                worst = max(worst, abs(an - num) / (max(abs(an), abs(num)) + 1e-6))
+            errors[w] = worst
+    return CheckResult(errors, analytic, numeric, run.backend)
+
+
+def _central(objective, point: dict, name: str, where, h: float) -> float:
+    """(f(x + h e) - f(x - h e)) / 2h along element ``where`` (an index) or direction (an array)."""
+    x = point[name]
+    plus, minus = x.copy(), x.copy()
+    if isinstance(where, np.ndarray):
+        plus += h * where
+        minus -= h * where
+    else:
+        plus.flat[where] += h
+        minus.flat[where] -= h
+    f_plus = objective({**point, name: plus})
+    f_minus = objective({**point, name: minus})
+    return (f_plus - f_minus) / (2 * h)

@@ -1,0 +1,47 @@
+"""The errors a user can cause. Every one is an :class:`OnnxGradError`."""
+from __future__ import annotations
+
+
+class OnnxGradError(Exception):
+    """Base of every error caused by the model or the arguments given to onnxgrad."""
+
+
+class InvalidModelError(OnnxGradError):
+    """The model cannot be read, fails the ONNX checker, or uses an opset we cannot handle."""
+
+
+class UnknownNameError(OnnxGradError):
+    """A name given in ``wrt``, ``of`` or ``loss`` is not a tensor of the model, or is not usable there."""
+
+
+class NonFloatError(UnknownNameError):
+    """A name given in ``wrt``, ``of`` or ``loss`` is not a floating-point tensor."""
+
+
+class UnusedError(OnnxGradError):
+    """A ``wrt`` tensor does not influence the differentiated outputs (pass ``allow_unused=True``)."""
+
+
+class UnsupportedOpError(OnnxGradError):
+    """Some nodes on the path from ``wrt`` to the outputs have no gradient rule.
+
+    ``ops`` maps every unsupported op type to the name of one node that uses it.
+    """
+
+    def __init__(self, ops: dict[str, str], reason: dict[str, str] | None = None):
+        self.ops = dict(ops)
+        reason = reason or {}
+        parts = []
+        for op, node in sorted(self.ops.items()):
+            why = f" ({reason[op]})" if op in reason else ""
+            parts.append(f"{op} (e.g. node '{node}'){why}")
+        super().__init__(
+            f"no gradient rule for {len(parts)} op type(s) on the path to the outputs: "
+            + ", ".join(parts)
+            + "; differentiate with respect to tensors after these nodes (wrt=...), "
+            "or write a rule with onnxgrad.register_rule"
+        )
+
+
+class RuleError(Exception):
+    """A gradient rule broke its contract (a bug in onnxgrad or in a user's rule, not in the model)."""

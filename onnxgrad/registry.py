@@ -1,0 +1,192 @@
+"""One registry of gradient rules, keyed by ai.onnx op type.
+
+A rule is a function ``rule(n: Node) -> gradients`` that returns one entry per
+input of the forward node: a :class:`Var` (the gradient of that input), or
+``None`` (no gradient). Registration carries the metadata the pass needs::
+
+    @register("Mul", broadcast=True)
+    def mul(n):
+        \"\"\"d(x*y) = (dy*y, dy*x)\"\"\"
+        x, y = n.inputs
+        return n.dy * y, n.dy * x
+
+- ``broadcast``: the op broadcasts its inputs numpy-style; the pass sums each
+  returned gradient back to its input's shape (one ``unbroadcast``).
+- ``inputs``: which input positions the rule differentiates. Default: those
+  the op schema tags Differentiable (the schema is the source of truth); ops
+  whose schemas are untagged must say.
+- ``stop``: the op's derivative is zero or undefined everywhere it matters
+  (Floor, Sign, ArgMax, ...): gradients stop here, silently.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import onnx
+import onnx.defs
+from onnx import helper
+
+from .builder import Builder, TensorInfo, Var
+from .errors import UnsupportedOpError
+
+Gradients = Sequence["Var | None"] | "Var | None"
+
+DIFFERENTIABLE = onnx.defs.OpSchema.DifferentiationCategory.Differentiable
+NON_DIFFERENTIABLE = onnx.defs.OpSchema.DifferentiationCategory.NonDifferentiable
+
+
+@dataclass
+class Rule:
+    op_type: str
+    fn: Callable[["Node"], Gradients] | None
+    broadcast: bool = False
+    inputs: tuple[int, ...] | None = None
+    stop: bool = False
+    doc: str = ""
+
+    def differentiable_inputs(self, schema: onnx.defs.OpSchema | None, n_inputs: int) -> tuple[int, ...]:
+        """Positions this rule gives gradients for: its own list, else the schema's Differentiable tags."""
+        if self.stop:
+            return ()
+        if self.inputs is not None:
+            return tuple(i for i in self.inputs if i < n_inputs)
+        tagged = schema_differentiable_inputs(schema, n_inputs)
+        if tagged is None:
+            raise ValueError(f"rule for untagged op {self.op_type} must list its inputs")
+        return tagged
+
+
+_RULES: dict[str, Rule] = {}
+
+
+def register(*op_types: str, broadcast: bool = False, inputs: Sequence[int] | None = None):
+    """Decorator: register ``fn`` as the gradient rule of ``op_types``."""
+
+    def deco(fn: Callable[["Node"], Gradients]):
+        for op in op_types:
+            _RULES[op] = Rule(op, fn, broadcast, tuple(inputs) if inputs is not None else None,
+                              doc=(fn.__doc__ or "").strip())
+        return fn
+
+    return deco
+
+
+def register_stop(*op_types: str, why: str = "zero derivative") -> None:
+    """Mark ops whose gradient is zero (or undefined) everywhere: they stop gradients."""
+    for op in op_types:
+        _RULES[op] = Rule(op, None, stop=True, doc=why)
+
+
+def get_rule(op_type: str) -> Rule | None:
+    return _RULES.get(op_type)
+
+
+def all_rules() -> dict[str, Rule]:
+    return dict(_RULES)
+
+
+def get_schema(op_type: str, opset: int) -> onnx.defs.OpSchema | None:
+    try:
+        return onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return None
+
+
+def schema_differentiable_inputs(schema: onnx.defs.OpSchema | None, n_inputs: int) -> tuple[int, ...] | None:
+    """Input positions tagged Differentiable (variadic last input repeats), or None if untagged."""
+    if schema is None or not schema.inputs:
+        return None
+    cats = [p.differentiation_category for p in schema.inputs]
+    if all(c == onnx.defs.OpSchema.DifferentiationCategory.Unknown for c in cats):
+        return None
+    out = []
+    for i in range(n_inputs):
+        c = cats[min(i, len(cats) - 1)]
+        if c == DIFFERENTIABLE:
+            out.append(i)
+    return tuple(out)
+
+
+def schema_non_differentiable_inputs(schema: onnx.defs.OpSchema | None, n_inputs: int) -> set[int]:
+    if schema is None or not schema.inputs:
+        return set()
+    cats = [p.differentiation_category for p in schema.inputs]
+    return {i for i in range(n_inputs) if cats[min(i, len(cats) - 1)] == NON_DIFFERENTIABLE}
+
+
+class Node:
+    """What a rule sees of one forward node: its tensors as Vars, the seeds, attributes, and a builder.
+
+    ``n.inputs[i]`` / ``n.outputs[i]``: forward tensors (None for an empty optional input).
+    ``n.dy``: gradient of the first output; ``n.dys[i]`` of output i (None when no gradient reaches it).
+    ``n.needs(i)``: whether the pass wants the gradient of input i (rules may skip work otherwise).
+    ``n.op``: emit any ai.onnx op, e.g. ``n.op.Conv(dy, w, strides=[2, 2])``.
+    """
+
+    def __init__(self, proto: onnx.NodeProto, b: Builder, dys: list[Var | None], needed: set[int]):
+        self.proto = proto
+        self.b = b
+        self.op = b.op
+        self.opset = b.opset
+        self.inputs = [b.var(x) if x else None for x in proto.input]
+        self.outputs = [b.var(y) if y else None for y in proto.output]
+        self.dys = [b.var(d.name) if d is not None else None for d in dys]  # bound to this node's builder
+        self._needed = needed
+        self._attrs = {a.name: helper.get_attribute_value(a) for a in proto.attribute}
+
+    @property
+    def name(self) -> str:
+        return self.proto.name
+
+    @property
+    def dy(self) -> Var | None:
+        return self.dys[0]
+
+    def needs(self, i: int) -> bool:
+        return i in self._needed
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        v = self._attrs.get(name, default)
+        if isinstance(v, bytes):
+            return v.decode()
+        return v
+
+    def has_attr(self, name: str) -> bool:
+        return name in self._attrs
+
+    def input(self, i: int) -> Var | None:
+        """Input i, or None when it is absent or empty."""
+        return self.inputs[i] if i < len(self.inputs) else None
+
+    def dy_or_zeros(self, i: int) -> Var:
+        """Gradient of output i, zeros when none reaches it (for rules that must combine all outputs)."""
+        d = self.dys[i]
+        return d if d is not None else self.b.zeros_like(self.outputs[i])
+
+    def const_ints(self, i: int) -> list[int] | None:
+        """The value of input i when it is a constant known at build time (shapes, axes...)."""
+        x = self.input(i)
+        if x is None:
+            return None
+        value = self.b.constants.get(x.name)
+        return None if value is None else [int(v) for v in value.reshape(-1)]
+
+    def unsupported(self, reason: str):
+        """Decline: this node's configuration has no gradient here (raised as UnsupportedOpError)."""
+        raise UnsupportedOpError({self.proto.op_type: self.proto.name}, {self.proto.op_type: reason})
+
+    def expose_output(self, i: int, hint: str) -> Var:
+        """Forward output i as a Var, naming it on the forward node if the model left it out.
+
+        For rules that need what a forward op computes but the model did not keep
+        (Dropout's mask, a normalization's saved statistics); outputs stay identical.
+        """
+        outs = self.proto.output
+        if i < len(outs) and outs[i]:
+            return self.b.var(outs[i])
+        while len(outs) <= i:
+            outs.append("")
+        outs[i] = self.b.names.fresh(f"{self.proto.name}/{hint}")
+        self.outputs = [self.b.var(y) if y else None for y in outs]
+        return self.b.var(outs[i])
