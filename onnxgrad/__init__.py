@@ -20,7 +20,24 @@ from .errors import (
 from .registry import register as register_rule
 from . import rules  # noqa: F401,E402  (registers the built-in rules)
 
+_LAZY = {"TrainingSession": "training", "optim": None, "losses": None, "lower": "lower"}
+
+
+def __getattr__(name: str):
+    """Training pieces load on first use, so ``import onnxgrad`` stays light."""
+    import importlib
+
+    if name in _LAZY:
+        module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+        return module if _LAZY[name] is None else getattr(module, name)
+    raise AttributeError(f"module 'onnxgrad' has no attribute {name!r}")
+
+
 __all__ = [
+    "TrainingSession",
+    "optim",
+    "losses",
+    "lower",
     "grad",
     "register_rule",
     "OnnxGradError",

@@ -1,12 +1,15 @@
 """The built-in gradient rules, one module per op family; importing them registers them."""
 from . import (  # noqa: F401
-    elementwise,
     activations,
+    attention,
+    elementwise,
     linalg,
-    shape,
-    reduce,
+    losses,
     nn,
     normalization,
-    losses,
+    recurrent,
+    reduce,
+    sampling,
+    shape,
     stop,
 )

@@ -1,0 +1,4 @@
+"""Gradient rules: attention."""
+from __future__ import annotations
+
+from ..registry import register
