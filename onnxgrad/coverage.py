@@ -1,0 +1,131 @@
+"""Rule coverage of every ai.onnx operator: what ``python -m onnxgrad ops`` prints."""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import onnx.defs
+
+from .model import MIN_OPSET
+from .registry import DIFFERENTIABLE, NON_DIFFERENTIABLE, all_rules
+
+_TAG = {DIFFERENTIABLE: "D", NON_DIFFERENTIABLE: "N"}
+
+
+@dataclass
+class OpCoverage:
+    op_type: str
+    tags: str                    # e.g. "data:D shape:N"; "untagged" when the schema says nothing
+    status: str                  # rule | zero-derivative | not differentiable | missing | deprecated
+    opsets: list[int]            # schema versions in effect from opset 13 on
+    tagged_differentiable: bool
+    flags: list[str] = field(default_factory=list)
+    cases_passed: int = 0
+    cases_checked: int = 0
+
+
+def _versions(op_type: str) -> list[int]:
+    latest = onnx.defs.onnx_opset_version()
+    seen = []
+    for v in range(MIN_OPSET, latest + 1):
+        try:
+            s = onnx.defs.get_schema(op_type, v, "")
+        except onnx.defs.SchemaError:
+            continue
+        if s.since_version not in seen:
+            seen.append(s.since_version)
+    return seen
+
+
+def _float_inputs(schema: onnx.defs.OpSchema) -> bool:
+    allowed = {c.type_param_str: c.allowed_type_strs for c in schema.type_constraints}
+    for p in schema.inputs:
+        types = allowed.get(p.type_str, [p.type_str])
+        if any(t in ("tensor(float)", "tensor(double)", "tensor(float16)") for t in types):
+            return True
+    return False
+
+
+def coverage() -> list[OpCoverage]:
+    """One row per ai.onnx op (newest schema), with our rule status and any disagreement with the tags."""
+    rules = all_rules()
+    schemas = {}
+    for s in onnx.defs.get_all_schemas():
+        if s.domain == "":
+            schemas[s.name] = s
+    rows = []
+    for op in sorted(schemas):
+        s = schemas[op]
+        cats = [p.differentiation_category for p in s.inputs]
+        untagged = all(c not in _TAG for c in cats)
+        tags = "untagged" if untagged or not cats else " ".join(
+            f"{p.name}:{_TAG.get(p.differentiation_category, '?')}" for p in s.inputs)
+        diff = [i for i, c in enumerate(cats) if c == DIFFERENTIABLE]
+        rule = rules.get(op)
+        flags = []
+        if rule is None and s.deprecated:
+            status = "deprecated"
+        elif rule is None:
+            if diff or (untagged and _float_inputs(s)):
+                status = "missing"
+            else:
+                status = "not differentiable"
+        elif rule.stop:
+            status = "zero-derivative"
+            if diff:
+                flags.append(f"tagged Differentiable, stopped: {rule.doc}")
+        else:
+            status = "rule"
+            if rule.inputs is not None and not untagged:
+                extra = [i for i in rule.inputs if i < len(cats) and cats[i] == NON_DIFFERENTIABLE]
+                if extra:
+                    flags.append(f"rule differentiates NonDifferentiable inputs {extra}")
+            if rule.inputs is not None and not untagged:
+                lacking = [i for i in diff if i not in rule.inputs]
+                if lacking:
+                    flags.append(f"rule leaves Differentiable inputs {lacking} without gradient")
+        rows.append(OpCoverage(op, tags, status, _versions(op), bool(diff), flags))
+    return rows
+
+
+def print_table(run_cases: bool = False) -> int:
+    rows = coverage()
+    if run_cases:
+        from .backend_cases import all_cases, run_case
+
+        by_op = {r.op_type: r for r in rows}
+        for case in all_cases():
+            row = by_op.get(case.op_type)
+            if row is None or row.status != "rule":
+                continue
+            outcome = run_case(case)
+            if outcome.status == "skip":
+                continue
+            row.cases_checked += 1
+            row.cases_passed += outcome.status == "pass"
+    width = max(len(r.op_type) for r in rows)
+    print(f"{'op':<{width}}  {'status':<18}  {'opsets':<14}  {'cases':>7}  tags")
+    for r in rows:
+        cases = f"{r.cases_passed}/{r.cases_checked}" if run_cases and r.status == "rule" else "-"
+        opsets = ",".join(map(str, r.opsets)) or "-"
+        line = f"{r.op_type:<{width}}  {r.status:<18}  {opsets:<14}  {cases:>7}  {r.tags}"
+        for f in r.flags:
+            line += f"  [!] {f}"
+        print(line)
+    counts = Counter(r.status for r in rows)
+    tagged = [r for r in rows if r.tagged_differentiable]
+    covered = sum(r.status == "rule" for r in tagged)
+    print()
+    print(f"ai.onnx ops: {len(rows)}; " + ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())))
+    print(f"ops with a Differentiable input: {len(tagged)}, with a rule: {covered}, "
+          f"zero-derivative: {sum(r.status == 'zero-derivative' for r in tagged)}, "
+          f"missing: {sum(r.status == 'missing' for r in tagged)}")
+    untagged_rules = [r.op_type for r in rows if r.tags == "untagged" and r.status == "rule"]
+    print(f"untagged ops with a rule: {len(untagged_rules)} ({', '.join(untagged_rules)})")
+    if run_cases:
+        checked = sum(r.cases_checked for r in rows)
+        passed = sum(r.cases_passed for r in rows)
+        print(f"backend cases checked: {checked}, passed: {passed}")
+    flagged = [r for r in rows if r.flags]
+    print(f"rules disagreeing with the schema tags: {len(flagged)}")
+    return 0
