@@ -1,0 +1,87 @@
+"""python -m onnxgrad: output file, summary, --check, and one-line errors with exit code 2."""
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+F = TensorProto.FLOAT
+
+
+def cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "onnxgrad", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+@pytest.fixture
+def model_path(tmp_path):
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((3, 2)).astype(np.float32), "W")
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "W"], ["h"], name="mm"), helper.make_node("Tanh", ["h"], ["y"], name="t")],
+        "g", [helper.make_tensor_value_info("x", F, [4, 3])], [helper.make_tensor_value_info("y", F, [4, 2])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    path = tmp_path / "tiny.onnx"
+    onnx.save(m, path)
+    return path
+
+
+def test_writes_gradient_model_and_summary(model_path):
+    r = cli(model_path, "--check")
+    assert r.returncode == 0, r.stderr
+    out_path = model_path.with_name("tiny.grad.onnx")
+    gm = onnx.load(out_path)
+    onnx.checker.check_model(gm, full_check=True)
+    assert "forward nodes: 2" in r.stdout and "backward nodes:" in r.stdout
+    assert "seed input y_grad [4, 2]" in r.stdout and "gradient W_grad [3, 2]" in r.stdout
+    line = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("W_grad:"))
+    assert float(line.split()[-1]) < 1e-3
+
+
+def test_output_path_and_wrt(model_path, tmp_path):
+    out = tmp_path / "sub" / "g.onnx"
+    r = cli(model_path, "-o", out, "--wrt", "x", "W", "--of", "y")
+    assert r.returncode == 0, r.stderr
+    assert [o.name for o in onnx.load(out).graph.output] == ["y", "x_grad", "W_grad"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--wrt", "nope"], "wrt 'nope'"),
+    (["--loss", "y"], "not a scalar"),
+    (["--of", "h"], "not an output"),
+])
+def test_user_errors_are_one_line_and_exit_2(model_path, args, message):
+    r = cli(model_path, *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+def test_unreadable_and_missing_models(tmp_path):
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model at all")
+    for path in (bad, tmp_path / "missing.onnx"):
+        r = cli(path)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and r.stderr.startswith("error: ")
+
+
+def test_refuses_to_overwrite_the_input(model_path):
+    before = model_path.read_bytes()
+    r = cli(model_path, "-o", model_path)
+    assert r.returncode == 2 and "input model" in r.stderr
+    assert model_path.read_bytes() == before
+
+
+def test_help():
+    r = cli("--help")
+    assert r.returncode == 0 and "--wrt" in r.stdout and "--check" in r.stdout
+
+
+def test_ops_command_lists_every_op():
+    r = cli("ops")
+    assert r.returncode == 0
+    assert "ops with a Differentiable input: 121" in r.stdout
+    rows = [ln.split()[0] for ln in r.stdout.splitlines()[1:] if ln and not ln.startswith(("ai.onnx", "ops ", "untagged", "rules", "backend"))]
+    assert {"MatMul", "Conv", "Softmax", "Shape"} <= set(rows)
