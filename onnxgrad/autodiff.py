@@ -248,7 +248,8 @@ class _Pass:
         elif len(parts) == 1:
             total = parts[0]
         else:
-            b = self.root.scoped(f"{name}/grad", f"sum of the gradients reaching '{name}'")
+            owner = self.producer[name].name if name in self.producer else name
+            b = self.root.scoped(f"{owner}/grad", f"sum of the gradients reaching '{name}'")
             total = b.op.Sum(*parts)
         self.total[name] = total
         return total

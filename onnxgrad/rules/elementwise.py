@@ -1,9 +1,36 @@
 """Arithmetic and elementwise math. Broadcasting is undone by the pass (``broadcast=True``)."""
 from __future__ import annotations
 
-from ..registry import register
+import math
+
+import numpy as np
+
+from ..builder import Var
+from ..registry import Node, register
 
 
+# -- helpers ------------------------------------------------------------------------------
+def _const_value(n: Node, i: int) -> np.ndarray | None:
+    """Input i's value when it is a constant known at build time (floats too, unlike ``n.const_ints``)."""
+    x = n.input(i)
+    return None if x is None else n.b.constants.get(x.name)
+
+
+def _cast_like(n: Node, v: Var, like: Var) -> Var:
+    """v in like's element type: v itself when the types are known to agree, else a CastLike."""
+    if v.dtype is not None and v.dtype == like.dtype:
+        return v
+    if like.dtype is not None:
+        return n.op.Cast(v, to=like.dtype)
+    return n.op.CastLike(v, like)
+
+
+def _zero(n: Node, like: Var) -> Var:
+    """A scalar 0 of like's type (the 'else' branch of a masked gradient)."""
+    return n.b.scalar(0.0, like)
+
+
+# -- arithmetic ---------------------------------------------------------------------------
 @register("Add", broadcast=True)
 def add(n):
     """d(x + y) = (dy, dy)"""
@@ -36,3 +63,255 @@ def div(n):
 def neg(n):
     """d(-x) = -dy"""
     return (-n.dy,)
+
+
+@register("Pow", broadcast=True)
+def pow_(n):
+    """d(x ^ p) = (dy * p * x^(p-1), dy * z * log(x))  with z = x ^ p
+
+    The base's gradient holds for any real base when p is an integer; the
+    exponent's needs x > 0 (log x), as in PyTorch. A constant exponent
+    is folded: p - 1 is computed here, and x^2 becomes 2 * x.
+    """
+    x, p = n.inputs
+    z = n.outputs[0]
+    dx = dp = None
+    if n.needs(0):
+        c = _const_value(n, 1)
+        if c is not None and c.size == 1 and float(c.reshape(-1)[0]) == 2.0:
+            dx = n.dy * (x * 2.0)
+        elif c is not None and c.size == 1:
+            power = float(c.reshape(-1)[0])
+            dx = n.dy * (power * n.op.Pow(x, n.b.scalar(power - 1.0, x)))
+        else:
+            p_x = _cast_like(n, p, x)
+            dx = n.dy * (p_x * n.op.Pow(x, p_x - 1.0))
+    if n.needs(1):
+        dp = _cast_like(n, n.dy * z * n.op.Log(x), p)
+    return dx, dp
+
+
+@register("Sum", broadcast=True)
+def sum_(n):
+    """d(x0 + x1 + ...) = dy for every input"""
+    return tuple(n.dy for _ in n.inputs)
+
+
+@register("Mean", broadcast=True)
+def mean(n):
+    """d((x0 + ... + x_{k-1}) / k) = dy / k for every input"""
+    g = n.dy * (1.0 / len(n.inputs))
+    return tuple(g for _ in n.inputs)
+
+
+def _extremum(n: Node):
+    """d max(x0, x1, ...) (or min) = dy * [x_i == y] / #{j : x_j == y}
+
+    Ties split the gradient evenly among the inputs that reach the extremum, like
+    PyTorch's ``maximum``/``amax``; elsewhere the one extreme input gets dy.
+    """
+    if len(n.inputs) == 1:
+        return (n.dy,)
+    y = n.outputs[0]
+    hits = [_cast_like(n, n.op.Equal(x, y), n.dy) for x in n.inputs]
+    share = n.dy / n.op.Sum(*hits)
+    return tuple(share * hit if n.needs(i) else None for i, hit in enumerate(hits))
+
+
+@register("Max", broadcast=True)
+def max_(n):
+    """d max(x0, x1, ...) = dy * [x_i == y] / (number of inputs equal to y)"""
+    return _extremum(n)
+
+
+@register("Min", broadcast=True)
+def min_(n):
+    """d min(x0, x1, ...) = dy * [x_i == y] / (number of inputs equal to y)"""
+    return _extremum(n)
+
+
+@register("Mod", broadcast=True)
+def mod(n):
+    """fmod: z = x - y * trunc(x / y);  dz/dx = dy
+
+    Float Mod is always fmod=1 (the spec requires it); integer Mod has no gradient.
+    The schema tags the divisor NonDifferentiable and the tags are our source of
+    truth, so y gets none (PyTorch's fmod would give ``-dy * trunc(x / y)``).
+    """
+    return (n.dy,)
+
+
+@register("Clip")
+def clip(n):
+    """d clip(x, lo, hi) = dy * [lo <= x <= hi]  (as torch.clamp; lo, hi are NonDifferentiable)"""
+    x = n.inputs[0]
+    lo, hi = n.input(1), n.input(2)
+    inside = None
+    if lo is not None:
+        inside = n.op.GreaterOrEqual(x, lo)
+    if hi is not None:
+        below = n.op.LessOrEqual(x, hi)
+        inside = below if inside is None else n.op.And(inside, below)
+    if inside is None:
+        return (n.dy,)
+    return (n.op.Where(inside, n.dy, _zero(n, n.dy)),)
+
+
+@register("Where", broadcast=True)
+def where(n):
+    """d where(c, x, y) = (None, dy * c, dy * !c)"""
+    c = n.inputs[0]
+    zero = _zero(n, n.dy)
+    dx = n.op.Where(c, n.dy, zero) if n.needs(1) else None
+    dy = n.op.Where(c, zero, n.dy) if n.needs(2) else None
+    return None, dx, dy
+
+
+# -- type and identity -----------------------------------------------------------------------
+@register("Cast")
+def cast(n):
+    """d cast(x) = cast(dy) back to x's type (a cast to a non-float type carries no gradient: the pass stops there)"""
+    return (_cast_like(n, n.dy, n.inputs[0]),)
+
+
+@register("CastLike")
+def cast_like(n):
+    """d castlike(x, t) = (cast(dy) back to x's type, None)"""
+    return _cast_like(n, n.dy, n.inputs[0]), None
+
+
+@register("Identity")
+def identity(n):
+    """d x = dy"""
+    return (n.dy,)
+
+
+# -- unary math ----------------------------------------------------------------------------
+@register("Sqrt")
+def sqrt(n):
+    """d sqrt(x) = dy / (2 y)"""
+    y = n.outputs[0]
+    return (n.dy / (2.0 * y),)
+
+
+@register("Reciprocal")
+def reciprocal(n):
+    """d (1 / x) = -dy * y^2"""
+    y = n.outputs[0]
+    return (-n.dy * (y * y),)
+
+
+@register("Exp")
+def exp(n):
+    """d exp(x) = dy * y"""
+    return (n.dy * n.outputs[0],)
+
+
+@register("Log")
+def log(n):
+    """d log(x) = dy / x"""
+    return (n.dy / n.inputs[0],)
+
+
+@register("Abs")
+def abs_(n):
+    """d |x| = dy * sign(x)"""
+    return (n.dy * n.op.Sign(n.inputs[0]),)
+
+
+@register("Erf")
+def erf(n):
+    """d erf(x) = dy * 2 / sqrt(pi) * exp(-x^2)"""
+    x = n.inputs[0]
+    return (n.dy * (2.0 / math.sqrt(math.pi) * n.op.Exp(-(x * x))),)
+
+
+@register("Sin")
+def sin(n):
+    """d sin(x) = dy * cos(x)"""
+    return (n.dy * n.op.Cos(n.inputs[0]),)
+
+
+@register("Cos")
+def cos(n):
+    """d cos(x) = -dy * sin(x)"""
+    return (-n.dy * n.op.Sin(n.inputs[0]),)
+
+
+@register("Tan")
+def tan(n):
+    """d tan(x) = dy * (1 + y^2)"""
+    y = n.outputs[0]
+    return (n.dy * (1.0 + y * y),)
+
+
+@register("Asin")
+def asin(n):
+    """d asin(x) = dy / sqrt(1 - x^2)"""
+    x = n.inputs[0]
+    return (n.dy / n.op.Sqrt(1.0 - x * x),)
+
+
+@register("Acos")
+def acos(n):
+    """d acos(x) = -dy / sqrt(1 - x^2)"""
+    x = n.inputs[0]
+    return (-n.dy / n.op.Sqrt(1.0 - x * x),)
+
+
+@register("Atan")
+def atan(n):
+    """d atan(x) = dy / (1 + x^2)"""
+    x = n.inputs[0]
+    return (n.dy / (1.0 + x * x),)
+
+
+@register("Sinh")
+def sinh(n):
+    """d sinh(x) = dy * cosh(x)"""
+    return (n.dy * n.op.Cosh(n.inputs[0]),)
+
+
+@register("Cosh")
+def cosh(n):
+    """d cosh(x) = dy * sinh(x)"""
+    return (n.dy * n.op.Sinh(n.inputs[0]),)
+
+
+@register("Asinh")
+def asinh(n):
+    """d asinh(x) = dy / sqrt(x^2 + 1)"""
+    x = n.inputs[0]
+    return (n.dy / n.op.Sqrt(x * x + 1.0),)
+
+
+@register("Acosh")
+def acosh(n):
+    """d acosh(x) = dy / sqrt(x^2 - 1)"""
+    x = n.inputs[0]
+    return (n.dy / n.op.Sqrt(x * x - 1.0),)
+
+
+@register("Atanh")
+def atanh(n):
+    """d atanh(x) = dy / (1 - x^2)"""
+    x = n.inputs[0]
+    return (n.dy / (1.0 - x * x),)
+
+
+# -- generators ------------------------------------------------------------------------------
+@register("Range", inputs=(0, 2))
+def range_(n):
+    """y_i = start + i * delta:  d = (sum(dy), None, sum(dy * i))
+
+    The element count depends on limit only through a ceil, so limit's derivative
+    is zero almost everywhere (None).
+    """
+    y = n.outputs[0]
+    dstart = n.b.sum(n.dy, keepdims=False) if n.needs(0) else None
+    ddelta = None
+    if n.needs(2):
+        count = _cast_like(n, n.op.Size(y), y)
+        index = n.op.Range(_zero(n, y), count, n.b.scalar(1.0, y))
+        ddelta = n.b.sum(n.dy * index, keepdims=False)
+    return dstart, None, ddelta
