@@ -56,20 +56,30 @@ class Runner:
 
 
 def _exact_reference_ops() -> list:
-    """onnx.reference kernels that lose float64 precision, replaced by exact ones (Erf computes in float32)."""
+    """onnx.reference kernels that lose float64 precision (its erf is a float32 approximation), made exact."""
     import math
 
     from onnx.reference.op_run import OpRun
+
+    erf = np.vectorize(math.erf, otypes=[np.float64])
 
     class Erf(OpRun):
         op_domain = ""
 
         def _run(self, x):
-            if x.dtype == np.float64:
-                return (np.vectorize(math.erf, otypes=[np.float64])(x),)
-            return (np.vectorize(math.erf, otypes=[np.float64])(x).astype(x.dtype),)
+            return (erf(x).astype(x.dtype),)
 
-    return [Erf]
+    class Gelu(OpRun):
+        op_domain = ""
+
+        def _run(self, x, approximate="none"):
+            if approximate == "tanh":
+                y = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+            else:
+                y = 0.5 * x * (1 + erf(x / np.sqrt(2)))
+            return (y.astype(x.dtype),)
+
+    return [Erf, Gelu]
 
 
 # -- float64 copy ---------------------------------------------------------------------
