@@ -203,10 +203,27 @@ class Builder:
         return self.const(np.array(list(values), dtype=np.int64))
 
     def scalar(self, value: float, like: Var) -> Var:
-        """A scalar of ``like``'s float type; CastLike when that type is not known statically."""
+        """A scalar of ``like``'s float type."""
+        return self.const_like(np.array(value), like)
+
+    def const_like(self, value: Any, like: Var) -> Var:
+        """A constant in ``like``'s element type (CastLike at run time when that type is unknown)."""
         if like.dtype is not None:
-            return self.const(np.array(value), like.dtype)
-        return self.emit("CastLike", [self.const(np.array(value, np.float32)), like])
+            return self.const(value, like.dtype)
+        return self.cast_like(self.const(np.asarray(value, np.float32)), like)
+
+    def cast_like(self, v: Var, like: Var) -> Var:
+        """``v`` in ``like``'s element type: v itself when the types agree, Cast when known, else CastLike."""
+        if v.dtype is not None and v.dtype == like.dtype:
+            return v
+        if like.dtype is not None:
+            return self.emit("Cast", [v], to=like.dtype)
+        if self.opset < 15:
+            from .errors import OnnxGradError
+
+            raise OnnxGradError(f"{self.prefix}: the element type of '{like.name}' is unknown and CastLike "
+                                "needs opset 15; declare the model's input and output types")
+        return self.emit("CastLike", [v, like])
 
     def lift(self, x: Any, like: Var | None = None) -> Var:
         """Turn Python numbers into constants (of ``like``'s type); pass Vars through."""
@@ -257,12 +274,9 @@ class Builder:
     def fill_like(self, x: Var, value: float) -> Var:
         """A tensor of x's shape and type filled with ``value`` (ConstantOfShape, no big constants)."""
         shape = self.ints(x.shape) if x.info.static else self.shape_of(x)
-        if x.dtype is not None:
-            np_type = helper.tensor_dtype_to_np_dtype(x.dtype)
-            return self.emit("ConstantOfShape", [shape], value=numpy_helper.from_array(np.full(1, value, np_type)))
-        filled = self.emit("ConstantOfShape", [shape],
-                           value=numpy_helper.from_array(np.full(1, value, np.float32)))
-        return self.emit("CastLike", [filled, x])
+        np_type = helper.tensor_dtype_to_np_dtype(x.dtype) if x.dtype is not None else np.float32
+        filled = self.emit("ConstantOfShape", [shape], value=numpy_helper.from_array(np.full(1, value, np_type)))
+        return self.cast_like(filled, x)
 
     def reshape_like(self, x: Var, like: Var) -> Var:
         """Reshape x to like's shape (a constant when it is static)."""

@@ -59,30 +59,9 @@ class Runner:
 
 
 def _exact_reference_ops() -> list:
-    """onnx.reference kernels that lose float64 precision (its erf is a float32 approximation), made exact."""
-    import math
+    from .reference_ops import KERNELS
 
-    from onnx.reference.op_run import OpRun
-
-    erf = np.vectorize(math.erf, otypes=[np.float64])
-
-    class Erf(OpRun):
-        op_domain = ""
-
-        def _run(self, x):
-            return (erf(x).astype(x.dtype),)
-
-    class Gelu(OpRun):
-        op_domain = ""
-
-        def _run(self, x, approximate="none"):
-            if approximate == "tanh":
-                y = 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
-            else:
-                y = 0.5 * x * (1 + erf(x / np.sqrt(2)))
-            return (y.astype(x.dtype),)
-
-    return [Erf, Gelu]
+    return KERNELS
 
 
 # -- float64 copy ---------------------------------------------------------------------

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import onnx
 import onnx.defs
 from onnx import helper
@@ -164,12 +165,14 @@ class Node:
         d = self.dys[i]
         return d if d is not None else self.b.zeros_like(self.outputs[i])
 
-    def const_ints(self, i: int) -> list[int] | None:
-        """The value of input i when it is a constant known at build time (shapes, axes...)."""
+    def const_value(self, i: int) -> np.ndarray | None:
+        """The value of input i when it is a constant known at build time (initializer or Constant)."""
         x = self.input(i)
-        if x is None:
-            return None
-        value = self.b.constants.get(x.name)
+        return None if x is None else self.b.constants.get(x.name)
+
+    def const_ints(self, i: int) -> list[int] | None:
+        """Input i's constant value as a list of ints (shapes, axes, pads...), None if not known at build time."""
+        value = self.const_value(i)
         return None if value is None else [int(v) for v in value.reshape(-1)]
 
     def unsupported(self, reason: str):

@@ -84,11 +84,18 @@ def case_model(case: Case) -> tuple[onnx.ModelProto, dict[str, np.ndarray], list
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", case.opset)])
     model.ir_version = onnxgrad.model.emitted_ir_version(model)
     model = onnx.shape_inference.infer_shapes(model)
-    # declare outputs with their inferred types so the pass knows which are float
-    inferred = {vi.name: vi for vi in list(model.graph.value_info)}
+    # declare outputs with their inferred types so the pass knows which are float; where
+    # inference cannot tell (shapes only known at run time), run the model once to see
+    inferred = {vi.name: vi for vi in model.graph.value_info if vi.type.tensor_type.HasField("shape")}
+    missing = [o for o in outs if o not in inferred]
+    values = Runner(model, prefer="reference")(feeds) if missing else {}
     del model.graph.output[:]
     for o in outs:
-        vi = inferred.get(o) or helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
+        vi = inferred.get(o)
+        if vi is None:
+            v = np.asarray(values[o])
+            dims = [f"{o}_d{k}" for k in range(v.ndim)] if case.unknown_shapes else list(v.shape)
+            vi = helper.make_tensor_value_info(o, helper.np_dtype_to_tensor_dtype(v.dtype), dims)
         model.graph.output.append(vi)
     del model.graph.value_info[:]
     return model, feeds, [names[i] for i in wrt_pos]

@@ -8,12 +8,11 @@ import math
 
 from ..builder import Var
 from ..registry import Node, register
-from .elementwise import _cast_like, _const_value, _zero
 
 
 def _positive(n: Node, x: Var) -> Var:
     """The mask x > 0."""
-    return n.op.Greater(x, _zero(n, x))
+    return n.op.Greater(x, n.b.scalar(0.0, x))
 
 
 def _softmax_axes(n: Node) -> list[int]:
@@ -38,7 +37,7 @@ def _softmax_axes(n: Node) -> list[int]:
 def relu(n):
     """d relu(x) = dy * (y > 0)"""
     y = n.outputs[0]
-    return (n.op.Where(_positive(n, y), n.dy, _zero(n, y)),)
+    return (n.op.Where(_positive(n, y), n.dy, n.b.scalar(0.0, y)),)
 
 
 @register("Tanh")
@@ -68,7 +67,7 @@ def prelu(n):
     """d prelu(x, s) = (dy if x > 0 else dy * s,  0 if x > 0 else dy * x)  (s broadcast to x, summed back by the pass)"""
     x, slope = n.inputs
     positive = _positive(n, x)
-    zero = _zero(n, x)
+    zero = n.b.scalar(0.0, x)
     dx = n.op.Where(positive, n.dy, n.dy * slope) if n.needs(0) else None
     dslope = n.op.Where(positive, zero, n.dy * x) if n.needs(1) else None
     return dx, dslope
@@ -79,7 +78,7 @@ def thresholded_relu(n):
     """d thresholded_relu(x) = dy * (x > alpha)   (alpha = 1)"""
     x = n.inputs[0]
     above = n.op.Greater(x, n.b.scalar(n.attr("alpha", 1.0), x))
-    return (n.op.Where(above, n.dy, _zero(n, x)),)
+    return (n.op.Where(above, n.dy, n.b.scalar(0.0, x)),)
 
 
 @register("Elu")
@@ -126,8 +125,8 @@ def hard_sigmoid(n):
     """d max(0, min(1, alpha * x + beta)) = dy * alpha where 0 < y < 1, else 0   (alpha = 0.2, beta = 0.5)"""
     y = n.outputs[0]
     alpha = n.attr("alpha", 0.2)
-    inside = n.op.And(n.op.Greater(y, _zero(n, y)), n.op.Less(y, n.b.scalar(1.0, y)))
-    return (n.op.Where(inside, n.dy * alpha, _zero(n, y)),)
+    inside = n.op.And(n.op.Greater(y, n.b.scalar(0.0, y)), n.op.Less(y, n.b.scalar(1.0, y)))
+    return (n.op.Where(inside, n.dy * alpha, n.b.scalar(0.0, y)),)
 
 
 @register("HardSwish")
@@ -137,7 +136,7 @@ def hard_swish(n):
     (the kink values follow PyTorch's ``hardswish_backward``)
     """
     x = n.inputs[0]
-    zero = _zero(n, x)
+    zero = n.b.scalar(0.0, x)
     middle = n.op.Where(n.op.Greater(x, n.b.scalar(3.0, x)), n.dy, n.dy * (x * (1.0 / 3.0) + 0.5))
     return (n.op.Where(n.op.Less(x, n.b.scalar(-3.0, x)), zero, middle),)
 
@@ -164,7 +163,7 @@ def shrink(n):
     """d shrink(x) = dy * (|x| > lambd)   (lambd = 0.5; the bias shifts y, not its slope)"""
     x = n.inputs[0]
     outside = n.op.Greater(n.op.Abs(x), n.b.scalar(n.attr("lambd", 0.5), x))
-    return (n.op.Where(outside, n.dy, _zero(n, x)),)
+    return (n.op.Where(outside, n.dy, n.b.scalar(0.0, x)),)
 
 
 @register("Gelu")
@@ -213,13 +212,13 @@ def dropout(n):
         return (n.dy,)
     mask = n.expose_output(1, "mask")
     ratio = n.input(1)
-    ratio_value = _const_value(n, 1)
+    ratio_value = n.const_value(1)
     if ratio is None or ratio_value is not None:
         r = 0.5 if ratio is None else float(ratio_value.reshape(-1)[0])
         scale = n.b.scalar(1.0 / (1.0 - r) if r < 1.0 else 0.0, n.dy)  # ratio 1 drops every element
     else:
-        scale = 1.0 / (1.0 - _cast_like(n, ratio, n.dy))
-    dx = n.op.Where(mask, n.dy * scale, _zero(n, n.dy))
+        scale = 1.0 / (1.0 - n.b.cast_like(ratio, n.dy))
+    dx = n.op.Where(mask, n.dy * scale, n.b.scalar(0.0, n.dy))
     if flag is None:
         dx = n.op.Where(training, dx, n.dy)
     return (dx,)

@@ -9,27 +9,6 @@ from ..builder import Var
 from ..registry import Node, register
 
 
-# -- helpers ------------------------------------------------------------------------------
-def _const_value(n: Node, i: int) -> np.ndarray | None:
-    """Input i's value when it is a constant known at build time (floats too, unlike ``n.const_ints``)."""
-    x = n.input(i)
-    return None if x is None else n.b.constants.get(x.name)
-
-
-def _cast_like(n: Node, v: Var, like: Var) -> Var:
-    """v in like's element type: v itself when the types are known to agree, else a CastLike."""
-    if v.dtype is not None and v.dtype == like.dtype:
-        return v
-    if like.dtype is not None:
-        return n.op.Cast(v, to=like.dtype)
-    return n.op.CastLike(v, like)
-
-
-def _zero(n: Node, like: Var) -> Var:
-    """A scalar 0 of like's type (the 'else' branch of a masked gradient)."""
-    return n.b.scalar(0.0, like)
-
-
 # -- arithmetic ---------------------------------------------------------------------------
 @register("Add", broadcast=True)
 def add(n):
@@ -77,17 +56,17 @@ def pow_(n):
     z = n.outputs[0]
     dx = dp = None
     if n.needs(0):
-        c = _const_value(n, 1)
+        c = n.const_value(1)
         if c is not None and c.size == 1 and float(c.reshape(-1)[0]) == 2.0:
             dx = n.dy * (x * 2.0)
         elif c is not None and c.size == 1:
             power = float(c.reshape(-1)[0])
             dx = n.dy * (power * n.op.Pow(x, n.b.scalar(power - 1.0, x)))
         else:
-            p_x = _cast_like(n, p, x)
+            p_x = n.b.cast_like(p, x)
             dx = n.dy * (p_x * n.op.Pow(x, p_x - 1.0))
     if n.needs(1):
-        dp = _cast_like(n, n.dy * z * n.op.Log(x), p)
+        dp = n.b.cast_like(n.dy * z * n.op.Log(x), p)
     return dx, dp
 
 
@@ -113,7 +92,7 @@ def _extremum(n: Node):
     if len(n.inputs) == 1:
         return (n.dy,)
     y = n.outputs[0]
-    hits = [_cast_like(n, n.op.Equal(x, y), n.dy) for x in n.inputs]
+    hits = [n.b.cast_like(n.op.Equal(x, y), n.dy) for x in n.inputs]
     share = n.dy / n.op.Sum(*hits)
     return tuple(share * hit if n.needs(i) else None for i, hit in enumerate(hits))
 
@@ -154,14 +133,14 @@ def clip(n):
         inside = below if inside is None else n.op.And(inside, below)
     if inside is None:
         return (n.dy,)
-    return (n.op.Where(inside, n.dy, _zero(n, n.dy)),)
+    return (n.op.Where(inside, n.dy, n.b.scalar(0.0, n.dy)),)
 
 
 @register("Where", broadcast=True)
 def where(n):
     """d where(c, x, y) = (None, dy * c, dy * !c)"""
     c = n.inputs[0]
-    zero = _zero(n, n.dy)
+    zero = n.b.scalar(0.0, n.dy)
     dx = n.op.Where(c, n.dy, zero) if n.needs(1) else None
     dy = n.op.Where(c, zero, n.dy) if n.needs(2) else None
     return None, dx, dy
@@ -171,13 +150,13 @@ def where(n):
 @register("Cast")
 def cast(n):
     """d cast(x) = cast(dy) back to x's type (a cast to a non-float type carries no gradient: the pass stops there)"""
-    return (_cast_like(n, n.dy, n.inputs[0]),)
+    return (n.b.cast_like(n.dy, n.inputs[0]),)
 
 
 @register("CastLike")
 def cast_like(n):
     """d castlike(x, t) = (cast(dy) back to x's type, None)"""
-    return _cast_like(n, n.dy, n.inputs[0]), None
+    return n.b.cast_like(n.dy, n.inputs[0]), None
 
 
 @register("Identity")
@@ -311,7 +290,7 @@ def range_(n):
     dstart = n.b.sum(n.dy, keepdims=False) if n.needs(0) else None
     ddelta = None
     if n.needs(2):
-        count = _cast_like(n, n.op.Size(y), y)
-        index = n.op.Range(_zero(n, y), count, n.b.scalar(1.0, y))
+        count = n.b.cast_like(n.op.Size(y), y)
+        index = n.op.Range(n.b.scalar(0.0, y), count, n.b.scalar(1.0, y))
         ddelta = n.b.sum(n.dy * index, keepdims=False)
     return dstart, None, ddelta
