@@ -20,7 +20,7 @@ from .errors import (
 from .registry import register as register_rule
 from . import rules  # noqa: F401,E402  (registers the built-in rules)
 
-_LAZY = {"TrainingSession": "training", "optim": None, "losses": None, "lower": "lower"}
+_LAZY = {"TrainingSession": "training", "optim": None, "losses": None, "lower": "lowering"}
 
 
 def __getattr__(name: str):

@@ -259,6 +259,8 @@ class _Pass:
             grads = [grads]
         grads = list(grads)
         allowed = set(rule.differentiable_inputs(self._schema(node), len(node.input)))
+        while len(grads) > len(node.input) and grads[-1] is None:
+            grads.pop()                     # trailing Nones for optional inputs the node leaves out
         if len(grads) > len(node.input):
             raise RuleError(f"rule for {node.op_type} returned {len(grads)} gradients for "
                             f"{len(node.input)} inputs (node '{node.name}')")

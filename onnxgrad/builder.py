@@ -10,10 +10,12 @@ its nodes after the forward node they belong to.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Iterable, Sequence
 
 import numpy as np
 import onnx
+import onnx.defs
 from onnx import TensorProto, helper, numpy_helper
 
 FLOAT_TYPES = frozenset(
@@ -25,6 +27,21 @@ _INT64_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
 _BOOL_OPS = frozenset(
     {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN", "IsInf"}
 )
+
+
+@lru_cache(maxsize=None)
+def _same_type_inputs(op_type: str, opset: int, n_inputs: int) -> tuple[int, ...]:
+    """Input positions whose type the first output shares, from the schema's type constraints
+    (Squeeze's output follows its data, never its int64 axes)."""
+    try:
+        schema = onnx.defs.get_schema(op_type, opset, "")
+    except onnx.defs.SchemaError:
+        return tuple(range(n_inputs))
+    if not schema.outputs:
+        return ()
+    out_type = schema.outputs[0].type_str
+    params = schema.inputs
+    return tuple(i for i in range(n_inputs) if params and params[min(i, len(params) - 1)].type_str == out_type)
 
 
 class TensorInfo:
@@ -180,9 +197,8 @@ class Builder:
         if op_type in ("Constant", "ConstantOfShape"):
             t = attrs.get("value")
             return t.data_type if t is not None else TensorProto.FLOAT
-        if op_type == "Where":
-            inputs = inputs[1:]
-        for x in inputs:
+        for i in _same_type_inputs(op_type, self.opset, len(inputs)):
+            x = inputs[i]
             if isinstance(x, Var) and x.dtype is not None:
                 return x.dtype
         return None

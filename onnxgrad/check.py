@@ -26,14 +26,24 @@ ABS_FLOOR = 1e-4
 
 
 # -- running models -------------------------------------------------------------------
+# onnxruntime's float64 kernels for these are missing at run time (RNN, GRU, LSTM accept a float64
+# session, then fail) or depart from the spec (Attention: NaN for fully masked rows, a top-left
+# causal frontier with nonpad_kv_seqlen): float64 models with them run in onnx.reference.
+_REFERENCE_FOR_FLOAT64 = frozenset({"Attention", "RNN", "GRU", "LSTM"})
+
+
 class Runner:
-    """Runs a model with onnxruntime (CPU) when it loads there, else with onnx.reference."""
+    """Runs a model with onnxruntime (CPU) when it loads and runs there, else with onnx.reference.
+
+    onnx.reference runs with the corrected kernels of :mod:`onnxgrad.reference_ops`.
+    """
 
     def __init__(self, model: onnx.ModelProto, prefer: str = "onnxruntime"):
         self.model = model
         self.outputs = [o.name for o in model.graph.output]
+        self._inputs = {i.name for i in model.graph.input}
         self.backend = None
-        if prefer == "onnxruntime":
+        if prefer == "onnxruntime" and not _float64_with(model, _REFERENCE_FOR_FLOAT64):
             try:
                 import onnxruntime as ort
 
@@ -45,17 +55,32 @@ class Runner:
             except Exception:
                 self.backend = None
         if self.backend is None:
-            from onnx.reference import ReferenceEvaluator
+            self._use_reference()
 
-            self._sess = ReferenceEvaluator(model, new_ops=_exact_reference_ops())
-            self.backend = "reference"
-        self._inputs = {i.name for i in model.graph.input}
+    def _use_reference(self) -> None:
+        from onnx.reference import ReferenceEvaluator
+
+        self._sess = ReferenceEvaluator(self.model, new_ops=_exact_reference_ops())
+        self.backend = "reference"
 
     def __call__(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         names = outputs or self.outputs
         feeds = {k: v for k, v in feeds.items() if k in self._inputs}
-        values = self._sess.run(names, feeds)
+        try:
+            values = self._sess.run(names, feeds)
+        except Exception:
+            if self.backend != "onnxruntime":
+                raise
+            self._use_reference()          # loaded in onnxruntime, but a kernel refused at run time
+            values = self._sess.run(names, feeds)
         return dict(zip(names, values))
+
+
+def _float64_with(model: onnx.ModelProto, ops: frozenset) -> bool:
+    g = model.graph
+    double = any(vi.type.tensor_type.elem_type == TensorProto.DOUBLE for vi in g.input) or any(
+        t.data_type == TensorProto.DOUBLE for t in g.initializer)
+    return double and any(node.op_type in ops for node in g.node)
 
 
 def _exact_reference_ops() -> list:
@@ -82,6 +107,11 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
+# Attributes naming an element type: Cast's to, the Random ops' dtype, the precision
+# LayerNormalization and Attention compute their statistics and softmax in.
+_TYPE_ATTRIBUTES = frozenset({"to", "dtype", "stash_type", "softmax_precision"})
+
+
 def _double_tensor(t: onnx.TensorProto) -> onnx.TensorProto:
     arr = numpy_helper.to_array(t).astype(np.float64)
     return numpy_helper.from_array(arr, t.name)
@@ -91,7 +121,7 @@ def _node_to_double(node: onnx.NodeProto) -> None:
     for a in node.attribute:
         if a.type == onnx.AttributeProto.TENSOR and a.t.data_type in _TO_DOUBLE:
             a.t.CopyFrom(_double_tensor(a.t))
-        elif a.name in ("to", "dtype") and a.type == onnx.AttributeProto.INT and a.i in _TO_DOUBLE:
+        elif a.name in _TYPE_ATTRIBUTES and a.type == onnx.AttributeProto.INT and a.i in _TO_DOUBLE:
             a.i = TensorProto.DOUBLE
         elif a.type == onnx.AttributeProto.GRAPH:
             for n in a.g.node:

@@ -1,5 +1,8 @@
 """Command line: ``python -m onnxgrad MODEL [-o OUT] [--wrt ...] [--of ... | --loss NAME] [--check]``.
 
+Training artifacts: ``python -m onnxgrad MODEL --loss-fn cross_entropy --target y --optimizer adamw
+[--lr ...]`` writes ``<stem>.train.onnx`` (forward + loss + backward + update) and ``<stem>.eval.onnx``.
+
 Also ``python -m onnxgrad ops`` (rule coverage of every ai.onnx op) and
 ``python -m onnxgrad lower MODEL`` (replace ai.onnx.preview.training ops).
 User errors print one ``error: ...`` line on stderr and exit 2.
@@ -39,7 +42,46 @@ def _grad_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="also compare the gradients with central differences on random inputs")
     p.add_argument("--seed", type=int, default=0, help="random seed for --check (default 0)")
+    _training_arguments(p)
     return p
+
+
+def _training_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags that append a loss (--loss-fn) and build training artifacts (--optimizer)."""
+    from .losses import LOSSES
+    from .optim import OPTIMIZERS
+
+    lg = p.add_argument_group(
+        "loss", "append a loss to the model's predictions; with --optimizer, train it, else differentiate it")
+    lg.add_argument("--loss-fn", choices=sorted(LOSSES), help="the loss function (PyTorch semantics)")
+    lg.add_argument("--target", default="target", metavar="NAME",
+                    help="name of the new target input (default: target)")
+    lg.add_argument("--predictions", metavar="NAME",
+                    help="the model output the loss reads (default: the model's only output)")
+    lg.add_argument("--reduction", choices=["mean", "sum"], default="mean", help="default: mean")
+    lg.add_argument("--label-smoothing", type=float, default=0.0, help="cross_entropy only (default 0)")
+    lg.add_argument("--ignore-index", type=int, default=-100, help="cross_entropy and nll (default -100)")
+    lg.add_argument("--probabilities", action="store_true",
+                    help="cross_entropy: the target holds class probabilities, not class indices")
+    tg = p.add_argument_group(
+        "training", "with --optimizer, write a training model (forward + loss + backward + update, one run "
+        "per step) to -o (default <stem>.train.onnx) and an eval model (forward, parameters as inputs) "
+        "to --eval-output; both list their inputs and outputs")
+    tg.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="the optimizer (PyTorch update rules)")
+    tg.add_argument("--lr", type=float, help="initial learning rate, stored as the lr input's default "
+                    "(default: the optimizer's)")
+    tg.add_argument("--momentum", type=float, help="sgd")
+    tg.add_argument("--dampening", type=float, help="sgd")
+    tg.add_argument("--nesterov", action="store_true", help="sgd")
+    tg.add_argument("--betas", type=float, nargs=2, metavar=("BETA1", "BETA2"), help="adam, adamw")
+    tg.add_argument("--eps", type=float, help="adam, adamw, adagrad")
+    tg.add_argument("--lr-decay", type=float, help="adagrad")
+    tg.add_argument("--weight-decay", type=float, help="default: the optimizer's (adamw 0.01, others 0)")
+    tg.add_argument("--clip-grad-norm", type=float, metavar="MAX", help="clip the global gradient norm to MAX")
+    tg.add_argument("--accumulation-steps", type=int, default=1, metavar="K",
+                    help="average gradients over K micro-batches; also writes <stem>.accumulate.onnx")
+    tg.add_argument("--freeze", nargs="+", default=[], metavar="NAME", help="initializers not to train")
+    tg.add_argument("--eval-output", metavar="PATH", help="default: <stem>.eval.onnx beside MODEL")
 
 
 def _default_output(model_path: str) -> str:
@@ -83,12 +125,20 @@ def run_grad(args: argparse.Namespace) -> int:
     from .autodiff import grad
     from .model import load
 
+    if args.optimizer:
+        return run_train(args)
     out_path = args.output or _default_output(args.model)
     if os.path.abspath(out_path) == os.path.abspath(args.model):
         raise OnnxGradError(f"output '{out_path}' is the input model; choose another path with -o")
     t0 = time.perf_counter()
     model = load(args.model)
-    gm = grad(model, wrt=args.wrt, of=args.of, loss=args.loss, allow_unused=args.allow_unused)
+    loss_name = args.loss
+    if args.loss_fn:
+        if args.of or args.loss:
+            raise OnnxGradError("--loss-fn appends the loss: do not also give --of or --loss")
+        model = _loss_fn(args)(model)
+        loss_name = "loss"
+    gm = grad(model, wrt=args.wrt, of=args.of, loss=loss_name, allow_unused=args.allow_unused)
     build_s = time.perf_counter() - t0
     save_model(gm, out_path)
 
@@ -119,6 +169,94 @@ def run_grad(args: argparse.Namespace) -> int:
     return 0
 
 
+def _loss_fn(args: argparse.Namespace):
+    """The loss --loss-fn and its options describe, as a callable model -> model."""
+    from . import losses
+
+    options: dict = {"reduction": args.reduction}
+    if args.loss_fn in ("cross_entropy", "nll"):
+        options["ignore_index"] = args.ignore_index
+    if args.loss_fn == "cross_entropy":
+        options["label_smoothing"] = args.label_smoothing
+        options["probabilities"] = args.probabilities
+    elif args.label_smoothing or args.probabilities:
+        raise OnnxGradError("--label-smoothing and --probabilities apply to --loss-fn cross_entropy only")
+    return losses.LOSS_CLASSES[args.loss_fn](args.predictions, args.target, **options)
+
+
+def _optimizer(args: argparse.Namespace):
+    from .optim import OPTIMIZERS
+
+    cls = OPTIMIZERS[args.optimizer]
+    flags = {"lr": args.lr, "momentum": args.momentum, "dampening": args.dampening,
+             "nesterov": args.nesterov or None, "betas": tuple(args.betas) if args.betas else None,
+             "eps": args.eps, "lr_decay": args.lr_decay, "weight_decay": args.weight_decay}
+    given = {k: v for k, v in flags.items() if v is not None}
+    wrong = [k for k in given if k not in cls.defaults]
+    if wrong:
+        raise OnnxGradError(f"--optimizer {args.optimizer} takes no "
+                            + ", ".join("--" + k.replace("_", "-") for k in wrong))
+    return cls(**given)
+
+
+def _io_table(title: str, values) -> list[str]:
+    lines = [title]
+    for vi in values:
+        dtype = _onnx_type_name(vi.type.tensor_type.elem_type)
+        doc = f"  {vi.doc_string}" if vi.doc_string else ""
+        lines.append(f"  {vi.name}: {dtype} {_shape_text(vi)}{doc}")
+    return lines
+
+
+def _onnx_type_name(elem_type: int) -> str:
+    from onnx import helper
+
+    return helper.tensor_dtype_to_np_dtype(elem_type).name if elem_type else "?"
+
+
+def run_train(args: argparse.Namespace) -> int:
+    """Write the training model, the eval model (and the accumulation model) for --optimizer."""
+    from . import artifacts
+
+    if args.of or args.wrt or args.check:
+        raise OnnxGradError("--optimizer trains every float initializer (use --freeze to exclude some): "
+                            "do not give --of, --wrt or --check")
+    if args.loss_fn and args.loss:
+        raise OnnxGradError("--loss-fn appends the loss: do not also give --loss")
+    stem = args.model[:-5] if args.model.endswith(".onnx") else args.model
+    out_path = args.output or stem + ".train.onnx"
+    eval_path = args.eval_output or stem + ".eval.onnx"
+    acc_path = (out_path[:-11] if out_path.endswith(".train.onnx") else stem) + ".accumulate.onnx"
+    for path in (out_path, eval_path):
+        if os.path.abspath(path) == os.path.abspath(args.model):
+            raise OnnxGradError(f"output '{path}' is the input model; choose another path")
+    loss = _loss_fn(args) if args.loss_fn else (args.loss or "loss")
+    t0 = time.perf_counter()
+    art = artifacts.build(args.model, loss, _optimizer(args), frozen=args.freeze,
+                          clip_grad_norm=args.clip_grad_norm, accumulation_steps=args.accumulation_steps,
+                          guard=True, defaults=True)
+    build_s = time.perf_counter() - t0
+    save_model(art.train, out_path)
+    save_model(art.eval, eval_path)
+    spec = art.spec
+    print(f"wrote {out_path} (training: forward + loss + backward + {spec.optimizer['type']} update, "
+          "one run per step)")
+    print(f"wrote {eval_path} (eval: forward outputs, parameters as inputs)")
+    if art.accumulate is not None:
+        save_model(art.accumulate, acc_path)
+        print(f"wrote {acc_path} (accumulation: adds one micro-batch's gradients to the <param>.grad_acc inputs)")
+    print(f"built in {build_s:.3f} s; {len(spec.params)} trainable parameter(s)"
+          + (f", frozen: {', '.join(spec.frozen)}" if spec.frozen else ""))
+    print("optimizer: " + ", ".join(f"{k}={v}" for k, v in spec.optimizer.items()))
+    for line in _io_table("training inputs (parameters and state default to their initial values):",
+                          art.train.graph.input):
+        print(line)
+    for line in _io_table("training outputs (feed each <name>.next back as <name> for the next step):",
+                          art.train.graph.output):
+        print(line)
+    return 0
+
+
 def run_ops(argv: Sequence[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m onnxgrad ops",
                                 description="Rule coverage of every ai.onnx operator.")
@@ -137,7 +275,7 @@ def run_lower(argv: Sequence[str]) -> int:
     p.add_argument("model")
     p.add_argument("-o", "--output", help="default: <stem>.lowered.onnx beside MODEL")
     args = p.parse_args(argv)
-    from .lower import lower
+    from .lowering import lower
     from .model import load
 
     out = args.output or (args.model[:-5] if args.model.endswith(".onnx") else args.model) + ".lowered.onnx"

@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from onnx import helper
 from onnx.reference.op_run import OpRun
 from onnx.reference.ops import op_conv_transpose
+from onnx.reference.ops.op_causal_conv_with_state import CausalConvWithState as _RefCausalConv
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 
@@ -105,4 +107,162 @@ class MaxRoiPool(OpRun):
         return (y,)
 
 
-KERNELS = [Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool]
+# -- RNN, GRU, LSTM: onnx.reference ignores sequence_lens, clip and most activations ------------
+def _act(name: str, alpha, beta):
+    return {
+        "relu": lambda z: np.maximum(z, 0),
+        "tanh": np.tanh,
+        "sigmoid": lambda z: 1 / (1 + np.exp(-z)),
+        "affine": lambda z: alpha * z + beta,
+        "leakyrelu": lambda z: np.where(z >= 0, z, alpha * z),
+        "thresholdedrelu": lambda z: np.where(z > alpha, z, 0),
+        "scaledtanh": lambda z: alpha * np.tanh(beta * z),
+        "hardsigmoid": lambda z: np.clip(alpha * z + beta, 0, 1),
+        "elu": lambda z: np.where(z >= 0, z, alpha * (np.exp(z) - 1)),
+        "softsign": lambda z: z / (1 + np.abs(z)),
+        "softplus": lambda z: np.log1p(np.exp(z)),
+    }[name]
+
+
+_USES = {"affine": (1, 1), "leakyrelu": (1, 0), "thresholdedrelu": (1, 0), "scaledtanh": (1, 1),
+         "hardsigmoid": (1, 1), "elu": (1, 0)}
+_DEFAULT_ALPHA_BETA = {"leakyrelu": (0.01, 0), "hardsigmoid": (0.2, 0.5), "elu": (1.0, 0)}
+
+
+def _activations(attrs: dict, defaults: list[str], D: int) -> list[list]:
+    names = [s.decode() if isinstance(s, bytes) else s for s in attrs.get("activations", [])] or defaults * D
+    if len(names) == len(defaults) and D == 2:
+        names = names * 2
+    alphas, betas = list(attrs.get("activation_alpha", [])), list(attrs.get("activation_beta", []))
+    fns = []
+    for name in names:
+        key = name.lower()
+        ua, ub = _USES.get(key, (0, 0))
+        da, db = _DEFAULT_ALPHA_BETA.get(key, (None, None))
+        fns.append(_act(key, alphas.pop(0) if ua and alphas else da, betas.pop(0) if ub and betas else db))
+    k = len(defaults)
+    return [fns[d * k:(d + 1) * k] for d in range(D)]
+
+
+def recurrent_reference(op: str, inputs: list, attrs: dict) -> list[np.ndarray]:
+    """The ONNX RNN/GRU/LSTM equations, one sequence at a time, in float64."""
+    X, W, R = inputs[:3]
+    Bias, lens, h0, c0, P = (list(inputs[3:]) + [None] * 5)[:5]
+    layout = attrs.get("layout", 0)
+    if layout:
+        X = X.swapaxes(0, 1)
+        h0 = None if h0 is None else h0.swapaxes(0, 1)
+        c0 = None if c0 is None else c0.swapaxes(0, 1)
+    Tn, Bn, _ = X.shape
+    D, Hn = W.shape[0], R.shape[-1]
+    G = {"RNN": 1, "GRU": 3, "LSTM": 4}[op]
+    direction = attrs.get("direction", b"forward")
+    direction = direction.decode() if isinstance(direction, bytes) else direction
+    acts = _activations(attrs, {"RNN": ["Tanh"], "GRU": ["Sigmoid", "Tanh"],
+                                "LSTM": ["Sigmoid", "Tanh", "Tanh"]}[op], D)
+    clip = attrs.get("clip")
+    cl = (lambda z: np.clip(z, -clip, clip)) if clip is not None else (lambda z: z)
+    Bias = np.zeros((D, 2 * G * Hn)) if Bias is None else Bias
+    P = np.zeros((D, 3 * Hn)) if P is None else P
+    lens = np.full(Bn, Tn) if lens is None else lens
+    Y = np.zeros((Tn, D, Bn, Hn))
+    Yh, Yc = np.zeros((D, Bn, Hn)), np.zeros((D, Bn, Hn))
+    for d in range(D):
+        reverse = direction == "reverse" or d == 1
+        w, r = np.split(W[d], G), np.split(R[d], G)
+        wb, rb = np.split(Bias[d], 2 * G)[:G], np.split(Bias[d], 2 * G)[G:]
+        pi, po, pf = np.split(P[d], 3)
+        for b in range(Bn):
+            h = np.zeros(Hn) if h0 is None else h0[d, b]
+            c = np.zeros(Hn) if c0 is None else c0[d, b]
+            steps = range(lens[b])
+            for t in (reversed(steps) if reverse else steps):
+                x = X[t, b]
+
+                def pre(k, hh=h):
+                    return w[k] @ x + r[k] @ hh + wb[k] + rb[k]
+                if op == "RNN":
+                    h = acts[d][0](cl(pre(0)))
+                elif op == "GRU":
+                    f, g = acts[d]
+                    z, rr = f(cl(pre(0))), f(cl(pre(1)))
+                    if attrs.get("linear_before_reset", 0):
+                        a = w[2] @ x + rr * (r[2] @ h + rb[2]) + wb[2]
+                    else:
+                        a = w[2] @ x + r[2] @ (rr * h) + rb[2] + wb[2]
+                    h = (1 - z) * g(cl(a)) + z * h
+                else:
+                    f, g, hf = acts[d]
+                    i = f(cl(pre(0) + pi * c))
+                    fg = f(cl(pre(2) + pf * c))
+                    c = fg * c + i * g(cl(pre(3)))
+                    o = f(cl(pre(1) + po * c))
+                    h = o * hf(c)
+                Y[t, d, b] = h
+            Yh[d, b], Yc[d, b] = h, c
+    if layout:
+        Y, Yh, Yc = Y.transpose(2, 0, 1, 3), Yh.swapaxes(0, 1), Yc.swapaxes(0, 1)
+    return [Y, Yh, Yc]
+
+
+def _reference_op(op: str):
+    def _run(self, *inputs, **_):
+        attrs = {a.name: helper.get_attribute_value(a) for a in self.onnx_node.attribute}
+        outs = recurrent_reference(op, list(inputs), attrs)
+        dtype = inputs[0].dtype
+        return tuple(o.astype(dtype) for o in outs[: len(self.onnx_node.output)])
+    return type(op, (OpRun,), {"op_domain": "", "_run": _run})
+
+
+_RECURRENT = [_reference_op(op) for op in ("RNN", "GRU", "LSTM")]
+
+
+class CausalConvWithState(_RefCausalConv):
+    op_domain = ""
+
+    """onnx.reference's op with its SiLU in the input's precision (it computes it in float32)."""
+
+    def _run(self, input, weight, bias=None, past_state=None, activation=None):
+        out, present = super()._run(input, weight, bias, past_state, "none")
+        if activation in ("silu", "swish"):
+            out = out / (1 + np.exp(-out))
+        return out, present
+
+
+# -- LinearAttention: onnx.reference computes the recurrence in float32 ------------------------
+def linear_attention(q, k, v, past=None, decay=None, beta=None, *, q_num_heads, kv_num_heads,
+                      update_rule="gated_delta", scale=0.0):
+    """The LinearAttention recurrence, step by step in the inputs' precision."""
+    def heads(x, h):
+        b, t, hd = x.shape
+        return x.reshape(b, t, h, hd // h).transpose(0, 2, 1, 3)
+    q4, k4, v4 = heads(q, q_num_heads), heads(k, kv_num_heads), heads(v, kv_num_heads)
+    b, _, t, dk = q4.shape
+    g = q_num_heads // kv_num_heads
+    state = np.zeros((b, kv_num_heads, dk, v4.shape[-1]), q.dtype) if past is None else past.copy()
+    out = np.zeros((b, q_num_heads, t, v4.shape[-1]), q.dtype)
+    scale = scale or 1 / np.sqrt(dk)
+    for i in range(t):
+        if update_rule in ("gated", "gated_delta"):
+            gi = heads(decay, kv_num_heads)[:, :, i, :]                      # [B, Hk, dk | 1]
+            state = state * np.exp(gi)[..., None]
+        ki, vi = k4[:, :, i], v4[:, :, i]
+        if update_rule in ("delta", "gated_delta"):
+            bi = beta.transpose(0, 2, 1)[:, :, i, None]                       # [B, Hk | 1, 1]
+            vi = bi * (vi - np.einsum("bhdm,bhd->bhm", state, ki))
+        state = state + ki[..., :, None] * vi[..., None, :]
+        out[:, :, i] = scale * np.einsum("bhd,bhdm->bhm", q4[:, :, i], np.repeat(state, g, axis=1))
+    return out.transpose(0, 2, 1, 3).reshape(b, t, -1), state
+
+
+class LinearAttention(OpRun):
+    op_domain = ""
+
+    def _run(self, *inputs, **_):
+        attrs = {a.name: helper.get_attribute_value(a) for a in self.onnx_node.attribute}
+        attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in attrs.items() if k != "chunk_size"}
+        return linear_attention(*inputs, **attrs)
+
+
+KERNELS = [Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState, LinearAttention,
+           *_RECURRENT]

@@ -88,7 +88,7 @@ def case_model(case: Case) -> tuple[onnx.ModelProto, dict[str, np.ndarray], list
     # inference cannot tell (shapes only known at run time), run the model once to see
     inferred = {vi.name: vi for vi in model.graph.value_info if vi.type.tensor_type.HasField("shape")}
     missing = [o for o in outs if o not in inferred]
-    values = Runner(model, prefer="reference")(feeds) if missing else {}
+    values = Runner(model)(feeds) if missing else {}
     del model.graph.output[:]
     for o in outs:
         vi = inferred.get(o)

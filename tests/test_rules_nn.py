@@ -202,7 +202,7 @@ def test_rule(case):
 
 @pytest.fixture
 def nn_roi_align(monkeypatch):
-    """RoiAlign has a rule in rules/sampling.py too (registered later, so it wins); test this one."""
+    """RoiAlign's registered rule (rules/sampling.py) uses this dense form below opset 16; test it at every opset."""
     monkeypatch.setitem(registry._RULES, "RoiAlign", registry.Rule("RoiAlign", nn.roi_align, inputs=(0,)))
 
 

@@ -585,9 +585,10 @@ def _roi_axis_weights(n, x: Var, rois: Var, axis: int, out: int) -> Var:
     return b.sum(tent, [2], keepdims=False) / grid                                       # [R, out, size]
 
 
-@register("RoiAlign", inputs=(0,))
 def roi_align(n):
-    """mode avg: y[r,c,i,j] = sum_{h,w} ay[r,i,h] ax[r,j,w] x[b_r,c,h,w] (bilinear sampling is separable):
+    """RoiAlign's gradient below opset 16 (registered by rules/sampling.py, which scatters from 16 on).
+
+    mode avg: y[r,c,i,j] = sum_{h,w} ay[r,i,h] ax[r,j,w] x[b_r,c,h,w] (bilinear sampling is separable):
     dx[b] = sum_{r: b_r = b} ay[r]^T dy[r] ax[r]
     """
     if n.attr("mode", "avg") != "avg":

@@ -1,4 +1,289 @@
-"""Gradient rules: normalization."""
+"""Gradient rules: normalizations (BatchNormalization, LayerNormalization, InstanceNormalization,
+GroupNormalization, RMSNormalization, MeanVarianceNormalization, LpNormalization).
+
+Most of them standardise x over some axes, ``xhat = (x - mean) * inv`` with
+``inv = 1 / sqrt(var + eps)``, then scale and shift it. With ``g`` the gradient
+reaching ``xhat`` the gradient of x is the one formula :func:`_standardize_grad`:
+
+    dx = inv * (g - mean(g) - xhat * mean(g * xhat))
+
+Statistics a forward op exposes (LayerNormalization's Mean and InvStdDev) are
+reused; the others are recomputed (a ReduceMean, a Sqrt), which costs far less
+than the surrounding elementwise work.
+"""
 from __future__ import annotations
 
-from ..registry import register
+from typing import Sequence
+
+from onnx import TensorProto
+
+from ..builder import Var
+from ..registry import Node, register
+
+_HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _rank(n: Node, x: Var) -> int:
+    if x.rank is None:
+        n.unsupported(f"{n.proto.op_type} needs the rank of its input to be known")
+    return x.rank
+
+
+def _axis(n: Node, axis: int, rank: int) -> int:
+    return axis + rank if axis < 0 else axis
+
+
+def _mean(n: Node, x: Var, axes: Sequence[int]) -> Var:
+    return n.b.reduce("ReduceMean", x, list(axes), keepdims=True)
+
+
+def _count(n: Node, x: Var, axes: Sequence[int]) -> Var:
+    """The number of elements of x over ``axes``, as a scalar of x's type (a constant when static)."""
+    shape = x.shape
+    if shape is not None and all(shape[a] is not None for a in axes):
+        total = 1
+        for a in axes:
+            total *= shape[a]
+        return n.b.scalar(float(total), x)
+    dims = n.op.Gather(n.b.shape_of(x), n.b.ints(axes), axis=0)
+    return n.b.cast_like(n.b.reduce("ReduceProd", dims, [0], keepdims=False), x)
+
+
+def _per_channel(n: Node, p: Var, rank: int) -> Var:
+    """A (C,) parameter shaped (C, 1, ..., 1) to broadcast along axis 1 of a rank-``rank`` tensor."""
+    return p if rank <= 2 else n.b.unsqueeze(p, list(range(1, rank - 1)))
+
+
+def _channel_sum(n: Node, v: Var, rank: int) -> Var:
+    """Sum over every axis but the channel axis 1: (N, C, ...) -> (C,)."""
+    return n.b.sum(v, [0] + list(range(2, rank)), keepdims=False)
+
+
+def _moments(n: Node, x: Var, axes: Sequence[int], eps: float) -> tuple[Var, Var]:
+    """(xhat, inv): x standardised over ``axes`` and 1 / sqrt(var + eps), recomputed from x."""
+    xc = x - _mean(n, x, axes)
+    inv = 1.0 / n.op.Sqrt(_mean(n, xc * xc, axes) + eps)
+    return xc * inv, inv
+
+
+def _standardize_grad(n: Node, g: Var, xhat: Var, inv: Var, axes: Sequence[int]) -> Var:
+    """dx for xhat = (x - mean(x)) * inv over ``axes``, given g = dL/dxhat.
+
+    dx = inv * (g - mean(g) - xhat * mean(g * xhat))
+    """
+    return inv * (g - _mean(n, g, axes) - xhat * _mean(n, g * xhat, axes))
+
+
+def _stash(x: Var, stash_type: int) -> tuple[int | None, int | None]:
+    """(compute type, x's type): stage one runs in ``stash_type`` when x is a 16-bit float, else in x's type."""
+    if x.dtype in _HALF_TYPES and stash_type not in _HALF_TYPES:
+        return stash_type, x.dtype
+    return None, None
+
+
+def _cast(n: Node, v: Var | None, to: int | None) -> Var | None:
+    return v if v is None or to is None else n.op.Cast(v, to=to)
+
+
+# -- BatchNormalization -------------------------------------------------------------------
+def _batch_norm_training(n: Node) -> bool:
+    if n.opset >= 14:
+        return bool(n.attr("training_mode", 0))
+    # BatchNormalization-9: the optional mean/var/saved_* outputs exist only in training.
+    return any(o is not None for o in n.outputs[1:])
+
+
+@register("BatchNormalization")
+def batch_normalization(n):
+    """y = scale * xhat + B, xhat = (x - mean) * inv, inv = 1 / sqrt(var + eps), per channel (axis 1).
+
+    inference (mean, var are inputs):
+        dx = dy * scale * inv          dB = sum(dy)          dscale = sum(dy * xhat)
+        dmean = -dB * scale * inv      dvar = -dscale * scale * inv^2 / 2
+    training (mean, var are the batch statistics over every axis but 1):
+        dx = scale * inv * (dy - mean(dy) - xhat * mean(dy * xhat)),  dB, dscale as above;
+        input_mean and input_var only feed the running statistics, which carry no gradient.
+    """
+    x, scale, _, mean, var = n.inputs[:5]
+    dy = n.dy
+    if dy is None:   # only the running statistics were reached: they carry no gradient
+        return None
+    rank = _rank(n, x)
+    eps = n.attr("epsilon", 1e-5)
+    reduced = [0] + list(range(2, rank))
+    if _batch_norm_training(n):
+        xhat, inv = _moments(n, x, reduced, eps)
+        dx = dscale = None
+        if n.needs(0):
+            dx = _standardize_grad(n, dy * _per_channel(n, scale, rank), xhat, inv, reduced)
+        if n.needs(1):
+            dscale = _channel_sum(n, dy * xhat, rank)
+        dB = _channel_sum(n, dy, rank) if n.needs(2) else None
+        return dx, dscale, dB, None, None
+
+    inv = 1.0 / n.op.Sqrt(var + eps)
+    k = scale * inv
+    dx = dy * _per_channel(n, k, rank) if n.needs(0) else None
+    dB = _channel_sum(n, dy, rank) if n.needs(2) or n.needs(3) else None
+    dscale = dmean = dvar = None
+    if n.needs(1) or n.needs(4):
+        dscale = _channel_sum(n, dy * (x - _per_channel(n, mean, rank)), rank) * inv
+    if n.needs(3):
+        dmean = -dB * k
+    if n.needs(4):
+        dvar = dscale * k * inv * -0.5
+    return dx, (dscale if n.needs(1) else None), (dB if n.needs(2) else None), dmean, dvar
+
+
+# -- LayerNormalization, RMSNormalization -------------------------------------------------
+@register("LayerNormalization", inputs=(0, 1, 2))
+def layer_normalization(n):
+    """y = xhat * scale + B over the axes from ``axis`` on; Mean and InvStdDev are outputs too.
+
+    dB = sum(dy)   dscale = sum(dy * xhat)   (over the axes they are broadcast along)
+    dx = inv * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * scale
+         + (dMean - dInvStdDev * inv^2 * xhat) / D       (when the statistics have gradients)
+    """
+    x, scale = n.inputs[0], n.inputs[1]
+    bias = n.input(2)
+    rank = _rank(n, x)
+    axes = list(range(_axis(n, n.attr("axis", -1), rank), rank))
+    stash_type = n.attr("stash_type", 1)
+    compute, back = _stash(x, stash_type)
+    dy, dmean, dinv = (n.dys + [None, None, None])[:3]
+    xs, dys, scales = _cast(n, x, compute), _cast(n, dy, compute), _cast(n, scale, compute)
+    mean, inv = n.expose_output(1, "Mean"), n.expose_output(2, "InvStdDev")
+    if xs.dtype is None or xs.dtype != stash_type:   # the statistics are of the stash type
+        mean, inv = n.b.cast_like(mean, xs), n.b.cast_like(inv, xs)
+    xhat = (xs - mean) * inv
+    dx = dscale = dB = None
+    if n.needs(0):
+        terms = []
+        if dys is not None:
+            terms.append(_standardize_grad(n, dys * scales, xhat, inv, axes))
+        if dmean is not None or dinv is not None:
+            stats = n.b.cast_like(dmean, xs) if dmean is not None else None
+            if dinv is not None:
+                from_inv = -(n.b.cast_like(dinv, xs) * inv * inv) * xhat
+                stats = from_inv if stats is None else stats + from_inv
+            terms.append(stats / _count(n, xs, axes))
+        dx = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+        dx = _cast(n, dx, back)
+    if dy is not None and n.needs(1):
+        dscale = n.b.unbroadcast(_cast(n, dys * xhat, back), scale, source=x)
+    if dy is not None and bias is not None and n.needs(2):
+        dB = n.b.unbroadcast(dy, bias, source=x)
+    return (dx, dscale, dB)[:len(n.inputs)]
+
+
+@register("RMSNormalization", inputs=(0, 1))
+def rms_normalization(n):
+    """y = xhat * scale, xhat = x * r, r = 1 / sqrt(mean(x^2) + eps) over the axes from ``axis`` on.
+
+    dscale = sum(dy * xhat)    dx = r * (g - xhat * mean(g * xhat)),  g = dy * scale
+    """
+    x, scale = n.inputs[:2]
+    rank = _rank(n, x)
+    axes = list(range(_axis(n, n.attr("axis", -1), rank), rank))
+    compute, back = _stash(x, n.attr("stash_type", 1))
+    xs, dys = _cast(n, x, compute), _cast(n, n.dy, compute)
+    r = 1.0 / n.op.Sqrt(_mean(n, xs * xs, axes) + n.attr("epsilon", 1e-5))
+    xhat = xs * r
+    dx = dscale = None
+    if n.needs(0):
+        g = dys * _cast(n, scale, compute)
+        dx = _cast(n, r * (g - xhat * _mean(n, g * xhat, axes)), back)
+    if n.needs(1):
+        dscale = n.b.unbroadcast(_cast(n, dys * xhat, back), scale, source=x)
+    return dx, dscale
+
+
+# -- InstanceNormalization, GroupNormalization --------------------------------------------
+@register("InstanceNormalization")
+def instance_normalization(n):
+    """y = scale * xhat + B, x standardised per instance and channel over the spatial axes.
+
+    dB = sum(dy)   dscale = sum(dy * xhat)   dx = inv * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * scale
+    """
+    x, scale, _ = n.inputs
+    dy = n.dy
+    rank = _rank(n, x)
+    if rank < 3:
+        n.unsupported("InstanceNormalization of a tensor without spatial axes")
+    spatial = list(range(2, rank))
+    xhat, inv = _moments(n, x, spatial, n.attr("epsilon", 1e-5))
+    dx = _standardize_grad(n, dy * _per_channel(n, scale, rank), xhat, inv, spatial) if n.needs(0) else None
+    dscale = _channel_sum(n, dy * xhat, rank) if n.needs(1) else None
+    dB = _channel_sum(n, dy, rank) if n.needs(2) else None
+    return dx, dscale, dB
+
+
+@register("GroupNormalization")
+def group_normalization(n):
+    """x viewed as (N, G, C/G * spatial) is standardised over its last axis; y = scale * xhat + bias.
+
+    scale and bias are per group, shape (G,), at opset 18, and per channel, shape (C,), from 21.
+    dbias = sum(dy)   dscale = sum(dy * xhat)   dx = inv * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * scale
+    """
+    x, scale, _ = n.inputs
+    rank = _rank(n, x)
+    groups = n.attr("num_groups")
+    compute, back = _stash(x, n.attr("stash_type", 1)) if n.opset >= 21 else (None, None)
+    grouped = n.b.ints([0, groups, -1])
+    xg = n.op.Reshape(_cast(n, x, compute), grouped)
+    xhat, inv = _moments(n, xg, [2], n.attr("epsilon", 1e-5))
+    dyg = n.op.Reshape(n.dy, grouped)
+    if n.opset < 21:  # per-group parameters: everything in the grouped view
+        g = dyg * n.b.unsqueeze(scale, [1])
+        dscale = n.b.sum(dyg * xhat, [0, 2], keepdims=False) if n.needs(1) else None
+        dbias = n.b.sum(dyg, [0, 2], keepdims=False) if n.needs(2) else None
+    else:
+        g = n.op.Reshape(_cast(n, n.dy * _per_channel(n, scale, rank), compute), grouped)
+        dscale = dbias = None
+        if n.needs(1):
+            dscale = _channel_sum(n, n.dy * n.b.reshape_like(_cast(n, xhat, back), x), rank)
+        if n.needs(2):
+            dbias = _channel_sum(n, n.dy, rank)
+    dx = None
+    if n.needs(0):
+        dx = n.b.reshape_like(_cast(n, _standardize_grad(n, g, xhat, inv, [2]), back), x)
+    return dx, dscale, dbias
+
+
+# -- MeanVarianceNormalization, LpNormalization -------------------------------------------
+_MVN_EPSILON = 1e-9  # the function body's: y = (x - mean) / (sqrt(var) + 1e-9)
+
+
+@register("MeanVarianceNormalization")
+def mean_variance_normalization(n):
+    """y = (x - mean) / s, s = sd + 1e-9, sd = sqrt(mean((x - mean)^2)) over ``axes``.
+
+    dx = (dy - mean(dy) - y * mean(dy * y) * s / sd) / s
+    """
+    x = n.inputs[0]
+    y = n.outputs[0]
+    dy = n.dy
+    rank = _rank(n, x)
+    axes = [_axis(n, a, rank) for a in n.attr("axes", [0, 2, 3])]
+    xc = x - _mean(n, x, axes)
+    sd = n.op.Sqrt(_mean(n, xc * xc, axes))
+    s = sd + _MVN_EPSILON
+    return ((dy - _mean(n, dy, axes) - y * _mean(n, dy * y, axes) * (s / sd)) / s,)
+
+
+@register("LpNormalization")
+def lp_normalization(n):
+    """y = x / |x|_p along ``axis`` (p = 1, 2).
+
+    dx = (dy - g * sum(dy * y)) / |x|_p,  g = y for p = 2, sign(x) for p = 1
+    """
+    x = n.inputs[0]
+    y = n.outputs[0]
+    p = n.attr("p", 2)
+    axis = n.attr("axis", -1)
+    if p not in (1, 2):
+        n.unsupported(f"LpNormalization with p={p} (the schema allows 1 and 2)")
+    norm = n.b.reduce("ReduceL2" if p == 2 else "ReduceL1", x, [axis], keepdims=True)
+    g = y if p == 2 else n.op.Sign(x)
+    return ((n.dy - g * n.b.sum(n.dy * y, [axis])) / norm,)

@@ -1,4 +1,499 @@
-"""Gradient rules: sampling."""
+"""Gradient rules: resampling (Resize, GridSample, RoiAlign).
+
+All three are linear in X: every output is a weighted sum of input pixels, with
+weights fixed by the (non-differentiable) scales, sizes, grid or boxes. The
+gradient of X is the transposed map applied to dy:
+
+- Resize is separable: per resized axis k, ``Y = X ×_k A_k`` with an
+  (out_k, in_k) interpolation matrix, so ``dX = dY ×_k A_k^T``, one MatMul per
+  axis. ``A_k`` is computed in the graph by resizing an identity matrix along
+  one axis with axis k's settings, so it is exactly the runtime's own
+  interpolation (every mode, nearest_mode, cubic_coeff_a, exclude_outside,
+  antialias, coordinate transformation) and needs no static shapes.
+- GridSample and RoiAlign read a few taps per output; their transpose scatters
+  dy times the tap weights back to the taps, one ScatterND with reduction "add".
+  The taps and weights are computed from the grid / boxes the way the ONNX
+  reference implementation does.
+"""
 from __future__ import annotations
 
-from ..registry import register
+from typing import Sequence, Union
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+from ..builder import Var
+from ..registry import Node, register
+from . import nn
+
+Dim = Union[int, Var]  # a size: an int when static, else a 1-element int64 tensor
+
+
+# -- helpers ------------------------------------------------------------------------------
+def _rank(n: Node, x: Var) -> int:
+    if x.rank is None:
+        n.unsupported(f"{n.proto.op_type} needs the rank of its input to be known")
+    return x.rank
+
+
+def _dim(n: Node, x: Var, k: int) -> Dim:
+    if x.shape is not None and x.shape[k] is not None:
+        return x.shape[k]
+    return n.b.shape_of(x, k, k + 1)
+
+
+def _tensor(n: Node, d: Dim) -> Var:
+    """A size as a 1-element int64 tensor."""
+    return n.b.ints([d]) if isinstance(d, int) else d
+
+
+def _ints(n: Node, parts: Sequence[Dim]) -> Var:
+    """A 1-D int64 tensor of sizes (a constant when all are static)."""
+    if all(isinstance(p, int) for p in parts):
+        return n.b.ints(parts)
+    return n.op.Concat(*[_tensor(n, p) for p in parts], axis=0)
+
+
+def _mul(n: Node, a: Dim, b: Dim) -> Dim:
+    if isinstance(a, int) and isinstance(b, int):
+        return a * b
+    return n.op.Mul(_tensor(n, a), _tensor(n, b))
+
+
+def _float(n: Node, d: Dim, like: Var) -> float | Var:
+    """A size as a float scalar of ``like``'s type (a Python float when static)."""
+    return float(d) if isinstance(d, int) else n.b.cast_like(n.op.Squeeze(d, n.b.ints([0])), like)
+
+
+def _zeros(n: Node, shape: Var, like: Var) -> Var:
+    """Zeros of the given shape in like's type."""
+    np_type = helper.tensor_dtype_to_np_dtype(like.dtype) if like.dtype is not None else np.float32
+    return n.b.cast_like(n.op.ConstantOfShape(shape, value=numpy_helper.from_array(np.zeros(1, np_type))), like)
+
+
+def _attrs(n: Node, drop: Sequence[str] = ()) -> dict:
+    return {a.name: n.attr(a.name) for a in n.proto.attribute if a.name not in drop}
+
+
+# -- Resize -------------------------------------------------------------------------------
+@register("Resize")
+def resize(n):
+    """Y = X ×_k A_k over the resized axes k, A_k the (out_k, in_k) interpolation matrix of axis k.
+
+    dX = dY ×_k A_k^T, where A_k = Resize(I) along one axis with axis k's scale or size and roi
+    (a 2-D Resize of an identity matrix, then one MatMul per axis). Nearest upsampling by an
+    integer factor repeats each input: its transpose is a sum over blocks (Reshape, ReduceSum).
+    """
+    x = n.inputs[0]
+    rank = _rank(n, x)
+    axes = [a + rank if a < 0 else a for a in n.attr("axes", list(range(rank)))]
+    plans = _resize_plans(n, x, axes)
+    y_shape = n.outputs[0].shape
+    dims = list(y_shape) if y_shape is not None else [None] * rank
+    t = n.dy
+    for k in sorted(plans, reverse=True):
+        last = k == rank - 1
+        block = _nearest_block(n, plans[k], x.shape[k] if x.shape is not None else None, dims[k])
+        if block:                                       # each input repeated `block` times: sum them
+            t = _block_sum(n, t, k, rank, x.shape[k], block, dims)
+            dims[k] = x.shape[k]
+            continue
+        a = _interpolation_matrix(n, x, k, plans[k], transposed=not last)
+        if last:
+            t = t @ a                                   # (..., out_k) @ (out_k, in_k)
+        elif k == rank - 2:
+            t = a @ t                                   # (in_k, out_k) @ (..., out_k, W)
+        else:                                           # contract axis k of (d_0..d_k-1, out_k, rest)
+            back = _restore(n, t, k, dims)
+            t = n.op.Reshape(a @ n.op.Reshape(t, n.b.ints([0] * (k + 1) + [-1])), back)
+        dims[k] = x.shape[k] if x.shape is not None else None
+    return (t,)
+
+
+def _nearest_block(n: Node, plan: dict, size_in: int | None, size_out: int | None) -> int | None:
+    """s when a nearest resize maps output o to input o // s (integer upsampling), else None.
+
+    With an integer factor s the source coordinate of o = q * s + r is q + (2r + 1 - s) / 2s under
+    the half-pixel transforms (never a tie, so every round_* mode gives q) and q + r / s under
+    asymmetric (floor gives q; round_prefer_floor too when s = 2).
+    """
+    if n.attr("mode", "nearest") != "nearest" or "roi" in plan or size_in is None:
+        return None
+    out = plan.get("size") if isinstance(plan.get("size"), int) else size_out
+    if not isinstance(out, int) or out % size_in or out // size_in < 2:
+        return None
+    factor = out // size_in
+    if "scale" in plan and not (isinstance(plan["scale"], float) and plan["scale"] == factor):
+        return None
+    ctm = n.attr("coordinate_transformation_mode", "half_pixel")
+    nearest = n.attr("nearest_mode", "round_prefer_floor")
+    if ctm in ("half_pixel", "pytorch_half_pixel", "half_pixel_symmetric"):
+        ok = nearest in ("round_prefer_floor", "round_prefer_ceil")
+    elif ctm == "asymmetric":
+        ok = nearest == "floor" or (nearest == "round_prefer_floor" and factor == 2)
+    else:
+        ok = False
+    return factor if ok else None
+
+
+def _block_sum(n: Node, t: Var, k: int, rank: int, size_in: int, factor: int, dims: list) -> Var:
+    """Sum axis k of t, of length size_in * factor, over consecutive blocks of ``factor``."""
+    if k == rank - 1:
+        return n.b.sum(n.op.Reshape(t, n.b.ints([0] * k + [size_in, factor])), [k + 1], keepdims=False)
+    grouped = n.op.Reshape(t, n.b.ints([0] * k + [size_in, factor, -1]))
+    return n.op.Reshape(n.b.sum(grouped, [k + 1], keepdims=False), _restore(n, t, k, dims))
+
+
+def _restore(n: Node, t: Var, k: int, dims: list) -> Var:
+    """The shape to reshape (d_0 .. d_k, rest) back to t's axes after k, with the first k + 1 kept."""
+    trailing = dims[k + 1:]
+    if all(d is not None for d in trailing):
+        return n.b.ints([0] * (k + 1) + trailing)
+    return n.op.Concat(n.b.ints([0] * (k + 1)), n.b.shape_of(t, k + 1), axis=0)
+
+
+def _resize_plans(n: Node, x: Var, axes: list[int]) -> dict[int, dict]:
+    """Per resized axis: how its 1-D resize is specified ("scale" or "size", and the roi), identities left out."""
+    ctm = n.attr("coordinate_transformation_mode", "half_pixel")
+    policy = n.attr("keep_aspect_ratio_policy", "stretch")
+    crop = ctm == "tf_crop_and_resize"
+    use_sizes = n.input(3) is not None
+    scales, sizes, roi = n.const_value(2), n.const_value(3), n.const_value(1)
+    static_in = [x.shape[k] if x.shape is not None else None for k in axes]
+    y_shape = n.outputs[0].shape
+    static_out = [y_shape[k] if y_shape is not None else None for k in axes]
+    common = None
+    if use_sizes and policy != "stretch":
+        if sizes is None or None in static_in:
+            n.unsupported(f"Resize with keep_aspect_ratio_policy='{policy}' needs constant sizes "
+                          "and a static input shape")
+        ratios = [s / d for s, d in zip(sizes.tolist(), static_in)]
+        common = min(ratios) if policy == "not_larger" else max(ratios)
+    plans = {}
+    for i, k in enumerate(axes):
+        plan: dict = {}
+        if crop:
+            plan["roi"] = ((float(roi[i]), float(roi[i + len(axes)])) if roi is not None
+                           else ("input", i, len(axes)))
+        if common is not None:
+            plan.update(_keep_ratio_plan(n, common, static_in[i]))
+        elif use_sizes:
+            plan["size"] = int(sizes[i]) if sizes is not None else n.op.Gather(n.inputs[3], n.b.ints([i]), axis=0)
+        else:
+            plan["scale"] = (float(np.float32(scales[i])) if scales is not None
+                             else n.op.Gather(n.inputs[2], n.b.ints([i]), axis=0))
+        if _is_identity(plan, static_in[i], static_out[i]):
+            continue
+        plans[k] = plan
+    return plans
+
+
+def _keep_ratio_plan(n: Node, scale: float, size_in: int) -> dict:
+    """Axis settings under keep_aspect_ratio_policy: scale ``scale``, output round(scale * in).
+
+    A 1-D resize gives both only if floor(scale * in) is that output size (then by scale),
+    or scale * in is that size (then by size).
+    """
+    out = int(scale * size_in + 0.5)
+    if int(np.float32(scale) * np.float32(size_in)) == out:
+        return {"scale": float(np.float32(scale))}
+    if abs(scale * size_in - out) < 1e-6 * max(out, 1):
+        return {"size": out}
+    n.unsupported("Resize with keep_aspect_ratio_policy where round(scale * in) differs from "
+                  f"floor(scale * in) (scale {scale:g}, input size {size_in})")
+
+
+def _is_identity(plan: dict, size_in: int | None, size_out: int | None) -> bool:
+    """Whether an axis is left as it is: scale 1, or a size equal to the input's (roi [0, 1])."""
+    roi = plan.get("roi")
+    if roi is not None and roi != (0.0, 1.0):
+        return False
+    if "scale" in plan:
+        return plan["scale"] == 1.0 if isinstance(plan["scale"], float) else False
+    size = plan["size"] if isinstance(plan["size"], int) else size_out   # a size computed in the graph
+    return size is not None and size == size_in                         # may still be known statically
+
+
+def _interpolation_matrix(n: Node, x: Var, k: int, plan: dict, transposed: bool) -> Var:
+    """A_k, (out_k, in_k), or its transpose: Resize of the in_k x in_k identity along one axis."""
+    along = 1 if transposed else 0          # resize the eye's rows (A) or columns (A^T)
+    size_in = _dim(n, x, k)
+    eye = n.op.EyeLike(_zeros(n, _ints(n, [size_in, size_in]), x))
+    roi = scales = sizes = None
+    if "roi" in plan:
+        roi = _roi_2d(n, plan["roi"], along)
+    if "scale" in plan:
+        s = plan["scale"]
+        if isinstance(s, float):
+            scales = n.b.const(np.array([1.0, s] if along else [s, 1.0], np.float32))
+        else:
+            one = n.b.const(np.array([1.0], np.float32))
+            scales = n.op.Concat(*([one, s] if along else [s, one]), axis=0)
+    else:
+        size = plan["size"]
+        sizes = _ints(n, [size_in, size] if along else [size, size_in])
+    attrs = _attrs(n, drop=("axes", "keep_aspect_ratio_policy", "extrapolation_value"))
+    if "roi" in plan:
+        attrs["extrapolation_value"] = 0.0   # outputs outside the crop do not depend on X
+    return n.op.Resize(eye, roi, scales, sizes, **attrs)
+
+
+def _roi_2d(n: Node, roi, along: int) -> Var:
+    """The roi of the 2-D resize: [0, 1] on the identity's other axis, axis k's [start, end] along ``along``."""
+    if isinstance(roi, tuple) and roi[0] != "input":
+        start, end = roi
+        values = [0.0, start, 1.0, end] if along else [start, 0.0, end, 1.0]
+        dtype = n.inputs[1].dtype or TensorProto.FLOAT
+        return n.b.const(np.array(values), dtype)
+    _, i, count = roi
+    given = n.inputs[1]
+    start = n.op.Gather(given, n.b.ints([i]), axis=0)
+    end = n.op.Gather(given, n.b.ints([i + count]), axis=0)
+    zero, one = n.b.const_like(np.array([0.0]), given), n.b.const_like(np.array([1.0]), given)
+    parts = [zero, start, one, end] if along else [start, zero, end, one]
+    return n.op.Concat(*parts, axis=0)
+
+
+# -- scatter of tap weights (GridSample, RoiAlign) ----------------------------------------
+def _scatter_taps(n: Node, x: Var, index: Var, weight: Var | None, batch: Var | None,
+                  spatial: Sequence[Dim]) -> Var:
+    """dX for Y[b, c, l] = sum_t weight[b, l, t] * X[batch[b], c, index[b, l, t]].
+
+    ``n.dy``: (B, C, L...) read as (B, C, L); ``index`` (int64) and ``weight``: (B, L, T),
+    ``index`` into x's flattened spatial axes, ``weight`` None for ones; ``batch``: int64 (B,),
+    the sample of x each output row reads (None: b itself). One ScatterND "add" of rows of C.
+    """
+    b = n.b
+    dy = n.dy
+    n_x, channels = _dim(n, x, 0), _dim(n, x, 1)
+    pixels = spatial[0]
+    for d in spatial[1:]:
+        pixels = _mul(n, pixels, d)
+    updates = b.unsqueeze(n.op.Transpose(n.op.Reshape(dy, b.ints([0, 0, -1])), perm=[0, 2, 1]), [2])
+    if weight is not None:                                                           # (B, L, T, C)
+        updates = updates * b.unsqueeze(n.b.cast_like(weight, dy), [3])
+    updates = n.op.Reshape(updates, _ints(n, [-1, channels]))
+    if batch is None:
+        batch = n.op.Range(b.const(np.array(0, np.int64)), n.op.Squeeze(_tensor(n, _dim(n, dy, 0)), b.ints([0])),
+                           b.const(np.array(1, np.int64)))
+    base = b.unsqueeze(n.op.Mul(batch, _tensor(n, pixels)), [1, 2])                  # (B, 1, 1)
+    rows = n.op.Reshape(n.op.Add(index, base), b.ints([-1, 1]))
+    zeros = _zeros(n, _ints(n, [_mul(n, n_x, pixels), channels]), dy)
+    grad = n.op.ScatterND(zeros, rows, updates, reduction="add")                      # (N * P, C)
+    grad = n.op.Transpose(n.op.Reshape(grad, _ints(n, [n_x, pixels, channels])), perm=[0, 2, 1])
+    return b.reshape_like(grad, x)
+
+
+def _combine_taps(n: Node, taps: list[list[tuple[Var, Var | None]]], sizes: Sequence[Dim], lead: int
+                  ) -> tuple[Var, Var | None]:
+    """Flat indices (int64) and weights of every combination of per-axis taps.
+
+    ``taps[i]``: spatial axis i's (index, weight) pairs (weight None: one), shaped like the first
+    ``lead`` axes; the results have those axes, then one axis of tap choices per spatial axis.
+    """
+    strides: list[Dim] = [1]
+    for d in reversed(sizes[1:]):
+        strides.insert(0, _mul(n, strides[0], d))
+    index = weight = None
+    for i, axis_taps in enumerate(taps):
+        others = [lead + j for j in range(len(taps)) if j != i]
+        idx = _stack(n, [t for t, _ in axis_taps], others)
+        idx = n.op.Mul(n.op.Cast(idx, to=TensorProto.INT64), _tensor(n, strides[i]))
+        index = idx if index is None else n.op.Add(index, idx)
+        if axis_taps[0][1] is not None:
+            w = _stack(n, [t for _, t in axis_taps], others)
+            weight = w if weight is None else weight * w
+    return index, weight
+
+
+def _stack(n: Node, parts: list[Var], unsqueeze: list[int]) -> Var:
+    """Stack along a new last axis, then insert size-1 axes at ``unsqueeze``."""
+    v = n.op.Concat(*[n.b.unsqueeze(p, [-1]) for p in parts], axis=-1) if len(parts) > 1 \
+        else n.b.unsqueeze(parts[0], [-1])
+    return n.b.unsqueeze(v, unsqueeze) if unsqueeze else v
+
+
+def _s(n: Node, v: float | Var, like: Var) -> Var:
+    return v if isinstance(v, Var) else n.b.scalar(v, like)
+
+
+def _float_range(n: Node, count: int, shape: Sequence[int], like: Var) -> Var:
+    """0, 1, ..., count - 1 as a constant of like's float type, reshaped to ``shape``."""
+    return n.b.const_like(np.arange(count, dtype=np.float32).reshape(shape), like)
+
+
+# -- GridSample ---------------------------------------------------------------------------
+_CUBIC_A = -0.75
+
+
+def _cubic_weights(f: Var) -> list[Var]:
+    """Keys' cubic convolution weights (a = -0.75) of the taps at -1, 0, 1, 2 for an offset f in [0, 1)."""
+    a = _CUBIC_A
+    f1, g, g1 = f + 1.0, 1.0 - f, 2.0 - f
+    return [
+        ((f1 * a - 5 * a) * f1 + 8 * a) * f1 - 4 * a,
+        (f * (a + 2) - (a + 3)) * f * f + 1.0,
+        (g * (a + 2) - (a + 3)) * g * g + 1.0,
+        ((g1 * a - 5 * a) * g1 + 8 * a) * g1 - 4 * a,
+    ]
+
+
+def _reflect(n: Node, v: Var, lo: float, hi: float | Var) -> Var:
+    """v reflected by the borders lo, hi until inside them (the reference's _gs_reflect)."""
+    below = n.op.Less(v, _s(n, lo, v))
+    above = n.op.Greater(v, _s(n, hi, v))
+    span = hi - lo
+    dx = n.op.Where(below, lo - v, v - hi)
+    turns = n.op.Floor(dx / span)
+    r = dx - turns * span
+    even = n.op.Equal(turns - n.op.Floor(turns * 0.5) * 2.0, _s(n, 0.0, v))
+    # an even number of turns below, or an odd one above, ends measured from lo
+    reflected = n.op.Where(n.op.Equal(below, even), r + lo, hi - r)
+    return n.op.Where(n.op.Or(below, above), reflected, v)
+
+
+def _clamp(n: Node, v: Var, hi: float | Var) -> Var:
+    return n.op.Min(n.op.Max(v, _s(n, 0.0, v)), _s(n, hi, v))
+
+
+def _grid_taps(n: Node, g: Var, size: Dim, mode: str, padding: str, align: bool
+               ) -> list[tuple[Var, Var | None]]:
+    """One spatial axis: the (input index, weight) of each tap, from normalised coordinates g."""
+    d = _float(n, size, g)
+    last = d - 1.0
+    x = (g + 1.0) * 0.5 * last if align else ((g + 1.0) * d - 1.0) * 0.5
+    lo, hi = (0.0, last) if align else (-0.5, d - 0.5)
+    if mode == "nearest":
+        x = n.op.Round(x)                       # half to even, as the reference and PyTorch
+    if padding == "border":
+        outside = n.op.Or(n.op.Less(x, _s(n, lo, x)), n.op.Greater(x, _s(n, hi, x)))
+        x = n.op.Where(outside, _clamp(n, x, last), x)
+    elif padding == "reflection":
+        x = _reflect(n, x, lo, hi)
+    if mode == "nearest":
+        taps = [(x, None)]
+    else:
+        x0 = n.op.Floor(x)
+        f = x - x0
+        if mode == "linear":
+            taps = [(x0, 1.0 - f), (x0 + 1.0, f)]
+        else:
+            taps = [(x0 + float(o), w) for o, w in zip((-1, 0, 1, 2), _cubic_weights(f))]
+    out = []
+    for i, w in taps:
+        if padding == "zeros":   # taps outside read zero: weight 0, any valid index
+            inside = n.b.cast_like(n.op.And(n.op.GreaterOrEqual(i, _s(n, 0.0, i)),
+                                       n.op.LessOrEqual(i, _s(n, last, i))), i)
+            w = inside if w is None else w * inside
+            i = _clamp(n, i, last)
+        elif padding == "border":
+            i = _clamp(n, i, last)
+        else:
+            i = _reflect(n, i, lo, hi)
+        out.append((i, w))
+    return out
+
+
+@register("GridSample")
+def grid_sample(n):
+    """Y[n, c, p] = sum_t w[n, p, t] * X[n, c, i[n, p, t]], taps i and weights w from the grid.
+
+    dX = scatter-add of dy[n, c, p] * w[n, p, t] at i[n, p, t]; the grid is NonDifferentiable.
+    """
+    x, grid = n.inputs
+    spatial = _rank(n, x) - 2
+    mode = n.attr("mode", "bilinear" if n.opset < 20 else "linear")
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
+    padding = n.attr("padding_mode", "zeros")
+    align = bool(n.attr("align_corners", 0))
+    sizes = [_dim(n, x, 2 + i) for i in range(spatial)]
+    points = n.op.Reshape(grid, n.b.ints([0, -1, spatial]))                           # (N, L, S)
+    taps = []
+    for i in range(spatial):   # the grid lists coordinates innermost axis first: (x, y[, z])
+        g = n.op.Gather(points, n.b.const(np.array(spatial - 1 - i, np.int64)), axis=2)
+        taps.append(_grid_taps(n, g, sizes[i], mode, padding, align))
+    index, weight = _combine_taps(n, taps, sizes, lead=2)
+    flat = n.b.ints([0, 0, -1])
+    weight = None if weight is None else n.op.Reshape(weight, flat)
+    return _scatter_taps(n, x, n.op.Reshape(index, flat), weight, None, sizes), None
+
+
+# -- RoiAlign -----------------------------------------------------------------------------
+def _roi_axis_taps(n: Node, start: Var, length: Var, pooled: int, grid: Var | float, samples: Var,
+                   size: Dim) -> list[tuple[Var, Var]]:
+    """One axis of RoiAlign's bilinear samples: the two taps of each, shaped (R, pooled, G).
+
+    Sample s of bin p sits at start + p * bin + (s + 0.5) * bin / grid (bin = length / pooled),
+    for s < grid; it reads nothing when outside [-1, size], else the pixels around max(pos, 0),
+    the last one twice past the edge. ``start``, ``length``: (R, 1, 1).
+    """
+    b = n.b
+    bin_size = length / float(pooled)
+    pos = start + _float_range(n, pooled, (1, pooled, 1), start) * bin_size + (samples + 0.5) * bin_size / grid
+    d = _float(n, size, pos)
+    edge = _s(n, d - 1.0, pos)
+    keep = n.op.And(n.op.GreaterOrEqual(pos, b.scalar(-1.0, pos)), n.op.LessOrEqual(pos, _s(n, d, pos)))
+    if isinstance(grid, Var):   # adaptive grids: only the first `grid` of the G samples exist
+        keep = n.op.And(keep, n.op.Less(samples, grid))
+    keep = n.b.cast_like(keep, pos)
+    pos = n.op.Max(pos, b.scalar(0.0, pos))
+    low = n.op.Floor(pos)
+    at_edge = n.op.GreaterOrEqual(low, edge)
+    low = n.op.Where(at_edge, edge, low)
+    high = n.op.Where(at_edge, edge, low + 1.0)
+    frac = n.op.Where(at_edge, b.scalar(0.0, pos), pos - low)
+    return [(low, (1.0 - frac) * keep), (high, frac * keep)]
+
+
+@register("RoiAlign", inputs=(0,))
+def roi_align(n):
+    """avg mode: Y[r, c, ph, pw] = mean over the bin's sample grid of the bilinear sample of X[b_r, c].
+
+    dX = scatter-add of dy * w / count at the 4 taps of every sample; rois and batch_indices
+    get no gradient. (rules/nn.py has a dense separable form, dX[b] = sum_r Ay[r]^T dy[r] Ax[r],
+    with no scatter but O(N H W R oh C) work; it serves opsets below 16, which have no ScatterND "add".)
+    """
+    x, rois, batch = n.inputs[:3]
+    if n.attr("mode", "avg") != "avg":
+        n.unsupported("RoiAlign in max mode (only avg mode has a gradient rule)")
+    if n.opset < 16:   # no ScatterND "add" yet: the dense separable form of rules/nn.py
+        return nn.roi_align(n)
+    b = n.b
+    pooled = (n.attr("output_height", 1), n.attr("output_width", 1))
+    ratio = n.attr("sampling_ratio", 0)
+    half_pixel = n.attr("coordinate_transformation_mode", "half_pixel") == "half_pixel"
+    box = rois * n.attr("spatial_scale", 1.0)
+    if half_pixel:
+        box = box - 0.5
+    sizes = [_dim(n, x, 2), _dim(n, x, 3)]
+    taps, grids = [], []
+    for axis in range(2):   # y (height), then x (width); a box is (x1, y1, x2, y2)
+        start = n.op.Gather(box, b.ints([1 - axis]), axis=1)                         # (R, 1)
+        length = n.op.Gather(box, b.ints([3 - axis]), axis=1) - start
+        if not half_pixel:
+            length = n.op.Max(length, b.scalar(1.0, length))
+        if ratio > 0:
+            grid = float(ratio)
+            samples = _float_range(n, ratio, (1, 1, ratio), length)
+        else:
+            grid = n.op.Ceil(length / float(pooled[axis]))                          # (R, 1)
+            most = n.op.Cast(b.reduce("ReduceMax", grid, None, keepdims=False), to=TensorProto.INT64)
+            samples = n.b.cast_like(n.op.Range(b.const(np.array(0, np.int64)), most,
+                                          b.const(np.array(1, np.int64))), length)
+            samples = b.unsqueeze(samples, [0, 1])                                    # (1, 1, G)
+        grids.append(grid)
+        taps.append(_roi_axis_taps(n, b.unsqueeze(start, [2]), b.unsqueeze(length, [2]), pooled[axis],
+                                   grid if ratio > 0 else b.unsqueeze(grid, [2]), samples, sizes[axis]))
+    # y taps (R, PH, Gy, 2) and x taps (R, PW, Gx, 2) -> (R, PH, PW, Gy, 2, Gx, 2)
+    y_idx, y_w = _stack(n, [i for i, _ in taps[0]], [2, 5, 6]), _stack(n, [w for _, w in taps[0]], [2, 5, 6])
+    x_idx, x_w = _stack(n, [i for i, _ in taps[1]], [1, 3, 4]), _stack(n, [w for _, w in taps[1]], [1, 3, 4])
+    index = n.op.Add(n.op.Mul(n.op.Cast(y_idx, to=TensorProto.INT64), _tensor(n, sizes[1])),
+                     n.op.Cast(x_idx, to=TensorProto.INT64))
+    if ratio > 0:
+        weight = y_w * x_w * (1.0 / (ratio * ratio))
+    else:
+        count = n.op.Max(grids[0] * grids[1], b.scalar(1.0, grids[0]))               # (R, 1)
+        weight = y_w * x_w / b.unsqueeze(count, [2, 3, 4, 5, 6])
+    flat = b.ints([0, pooled[0] * pooled[1], -1])
+    grad = _scatter_taps(n, x, n.op.Reshape(index, flat), n.op.Reshape(weight, flat), batch, sizes)
+    return grad, None, None

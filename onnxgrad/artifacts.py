@@ -1,0 +1,438 @@
+"""Training graphs for stock onnxruntime: forward + loss + backward + optimizer update in one model.
+
+:func:`build` turns a model with a scalar loss (or a forward model and a loss
+from :mod:`onnxgrad.losses`) into
+
+- ``train``: one run does forward, loss, backward, (accumulation, clipping) and
+  the optimizer update. Inputs: the data inputs, ``lr`` (float32 scalar),
+  ``step`` (int64 scalar, 1 for the first update), every trainable parameter
+  under its own name, and the optimizer state ``<param>.<state>``. Outputs:
+  ``loss``, ``finite`` (bool: loss and gradients are all finite), ``grad_norm``
+  (global L2 norm of the gradients, before clipping), ``<param>.next`` and
+  ``<param>.<state>.next``: feed them back as the next step's inputs.
+- ``eval``: the forward outputs, with the trainable parameters as inputs.
+- ``accumulate`` (``accumulation_steps > 1``): forward + backward of one
+  micro-batch, adding its gradients to ``<param>.grad_acc`` (``.next`` out).
+  ``train`` then also takes the accumulators and applies their mean with the
+  last micro-batch's gradients.
+
+With ``defaults=True`` (the command line's choice) the parameters and the
+initial optimizer state are also stored as initializers of the same names, so
+a first step needs only data, ``lr`` and ``step``; and ``guard=True`` makes the
+graph itself keep the old values when ``finite`` is false. Every name is also
+recorded in the model's metadata (``onnxgrad.training``, JSON) and in the
+inputs' and outputs' doc strings. :class:`onnxgrad.TrainingSession` uses the
+same builder.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from . import model as M
+from .autodiff import grad
+from .builder import Builder, NameScope, TensorInfo, Var
+from .check import gradient_spec
+from .errors import OnnxGradError, UnknownNameError
+from .optim import AdamW, Optimizer, UpdateContext
+from .registry import get_rule, get_schema, schema_differentiable_inputs
+
+__all__ = ["TrainingSpec", "TrainingArtifacts", "build", "trainable_parameters", "META_KEY"]
+
+META_KEY = "onnxgrad.training"
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
+
+
+@dataclass
+class TrainingSpec:
+    """The names in the training graphs and the options they were built with (JSON in the metadata)."""
+
+    loss: str
+    lr: str
+    step: str
+    finite: str
+    grad_norm: str
+    data_inputs: list[str]
+    params: dict[str, str]                       # parameter (input) -> updated (output)
+    state: dict[str, dict[str, list[str]]]       # parameter -> state -> [input, output]
+    accumulators: dict[str, list[str]]           # parameter -> [input, output] (accumulation only)
+    frozen: list[str]
+    optimizer: dict[str, Any]
+    clip_grad_norm: float | None = None
+    accumulation_steps: int = 1
+    guard: bool = True
+    eval_outputs: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "TrainingSpec":
+        return cls(**json.loads(text))
+
+    @classmethod
+    def of(cls, model: onnx.ModelProto) -> "TrainingSpec":
+        """The spec stored in a training model built here."""
+        for p in model.metadata_props:
+            if p.key == META_KEY:
+                return cls.from_json(p.value)
+        raise OnnxGradError(f"the model has no '{META_KEY}' metadata: it was not built by onnxgrad.artifacts")
+
+
+@dataclass
+class TrainingArtifacts:
+    train: onnx.ModelProto
+    eval: onnx.ModelProto
+    accumulate: onnx.ModelProto | None
+    loss_model: onnx.ModelProto       # forward + loss, parameters as initializers (what was differentiated)
+    forward: onnx.ModelProto          # forward outputs only, parameters as initializers
+    spec: TrainingSpec
+    initial_params: dict[str, np.ndarray]
+    initial_state: dict[str, dict[str, np.ndarray]]
+
+    def eval_with_loss(self, defaults: bool = False) -> onnx.ModelProto:
+        """Forward outputs and the loss, trainable parameters as inputs (validation loss)."""
+        return _params_as_inputs(self.loss_model, self.spec.params, defaults)
+
+
+def build(
+    model: onnx.ModelProto | str | os.PathLike,
+    loss: "str | Callable[[onnx.ModelProto], onnx.ModelProto]" = "loss",
+    optimizer: Optimizer | None = None,
+    *,
+    frozen: Iterable[str] = (),
+    clip_grad_norm: float | None = None,
+    accumulation_steps: int = 1,
+    guard: bool = True,
+    defaults: bool = True,
+) -> TrainingArtifacts:
+    """Build the training, eval (and accumulation) models.
+
+    ``loss``: the name of a scalar float output of ``model``, or a loss from
+    :mod:`onnxgrad.losses` (``losses.CrossEntropyLoss(output="logits", target="y")``)
+    appended to the forward ``model``. Trainable parameters: every float
+    initializer with a differentiable path to the loss, minus ``frozen``.
+    """
+    optimizer = optimizer if optimizer is not None else AdamW()
+    if not isinstance(optimizer, Optimizer):
+        raise OnnxGradError(f"optimizer must be an onnxgrad.optim optimizer, got {type(optimizer).__name__}")
+    if int(accumulation_steps) != accumulation_steps or accumulation_steps < 1:
+        raise OnnxGradError(f"accumulation_steps must be a positive integer, got {accumulation_steps}")
+    if clip_grad_norm is not None and not clip_grad_norm > 0:
+        raise OnnxGradError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
+    forward_in = M.load(model)
+    if callable(loss):
+        loss_model = loss(forward_in)
+        loss_name = getattr(loss, "name", "loss")
+        forward = forward_in
+    elif isinstance(loss, str):
+        loss_model = forward_in
+        loss_name = loss
+        forward = None
+    else:
+        raise OnnxGradError(f"loss must be an output name or a loss from onnxgrad.losses, got {type(loss).__name__}")
+    _check_loss(loss_model, loss_name)
+    frozen = list(dict.fromkeys(frozen))
+    params = trainable_parameters(loss_model, loss_name, frozen)
+    if forward is None:
+        outputs = [o.name for o in loss_model.graph.output if o.name != loss_name]
+        forward = _prune(loss_model, outputs or [loss_name])
+    gm = grad(loss_model, wrt=params, loss=loss_name)
+    return _Builder(loss_model, forward, gm, loss_name, params, frozen, optimizer, clip_grad_norm,
+                    int(accumulation_steps), guard, defaults).run()
+
+
+def trainable_parameters(model: onnx.ModelProto, loss: str, frozen: Sequence[str] = ()) -> list[str]:
+    """Float initializers with a path to ``loss`` through differentiable inputs, in model order, minus ``frozen``."""
+    g = model.graph
+    floats = [i.name for i in g.initializer if i.data_type in M.FLOAT_TYPES]
+    unknown = [f for f in frozen if f not in floats]
+    if unknown:
+        raise UnknownNameError(f"frozen name(s) {', '.join(map(repr, unknown))} are not float initializers "
+                               f"of the model (initializers: {', '.join(floats[:20])}"
+                               f"{', ...' if len(floats) > 20 else ''})")
+    opset = M.opset_of(model)
+    marked = {loss}
+    for node in reversed(g.node):
+        if not any(o in marked for o in node.output if o):
+            continue
+        if M.has_subgraph(node):
+            marked.update(x for x in node.input if x)
+            marked |= M.subgraph_inputs(node)
+            continue
+        standard = node.domain in ("", "ai.onnx")
+        schema = get_schema(node.op_type, opset) if standard else None
+        rule = get_rule(node.op_type) if standard else None
+        n = len(node.input)
+        if rule is not None:
+            positions = rule.differentiable_inputs(schema, n)
+        else:
+            tagged = schema_differentiable_inputs(schema, n)
+            positions = tagged if tagged is not None else tuple(range(n))
+        marked.update(node.input[i] for i in positions if node.input[i])
+    params = [p for p in floats if p in marked and p not in frozen]
+    if not params:
+        raise OnnxGradError(f"nothing to train: no float initializer of the model influences loss '{loss}'"
+                            + (" (all are frozen)" if frozen else ""))
+    return params
+
+
+# -- the builder --------------------------------------------------------------------------------
+class _Builder:
+    def __init__(self, loss_model, forward, gm, loss, params, frozen, optimizer, clip, accumulation, guard,
+                 defaults):
+        self.loss_model, self.forward, self.gm = loss_model, forward, gm
+        self.loss, self.params, self.frozen = loss, params, frozen
+        self.optimizer, self.clip, self.k = optimizer, clip, accumulation
+        self.guard, self.defaults = guard, defaults
+        inits = {i.name: i for i in loss_model.graph.initializer}
+        self.initial = {p: numpy_helper.to_array(inits[p]) for p in params}
+        self.dtypes = {p: inits[p].data_type for p in params}
+        self.shapes = {p: tuple(inits[p].dims) for p in params}
+        self.gradients = gradient_spec(gm)["gradients"]
+        loss_vi = next(o for o in gm.graph.output if o.name == loss)
+        self.loss_dtype = loss_vi.type.tensor_type.elem_type or TensorProto.FLOAT
+
+    def run(self) -> TrainingArtifacts:
+        train, spec = self._model(accumulate=False)
+        accumulate = None
+        if self.k > 1:
+            accumulate, acc_spec = self._model(accumulate=True)
+            assert [i for i, _ in acc_spec.accumulators.values()] == [i for i, _ in spec.accumulators.values()]
+            spec.accumulators = acc_spec.accumulators
+        spec.eval_outputs = [o.name for o in self.forward.graph.output]
+        _set_meta(train, spec)
+        if accumulate is not None:
+            _set_meta(accumulate, spec)
+        eval_model = _params_as_inputs(self.forward, self.params, self.defaults)
+        _set_meta(eval_model, spec)
+        initial_state = {p: self.optimizer.initial_state(v) for p, v in self.initial.items()}
+        return TrainingArtifacts(train, eval_model, accumulate, self.loss_model, self.forward, spec,
+                                 dict(self.initial), initial_state)
+
+    # One model: the gradient model with parameters as inputs and update nodes appended.
+    def _model(self, accumulate: bool) -> tuple[onnx.ModelProto, TrainingSpec]:
+        m = onnx.ModelProto()
+        m.CopyFrom(self.gm)
+        g = m.graph
+        del m.metadata_props[:]
+        m.metadata_props.extend(p for p in self.gm.metadata_props if not p.key.startswith("onnxgrad."))
+        taken = ({i.name for i in g.input} | {i.name for i in g.initializer} | {o.name for o in g.output}
+                 | {o for n in g.node for o in n.output} | {n.name for n in g.node})
+        names = NameScope(taken)
+        infos: dict[str, TensorInfo] = {}
+        for p in self.params:
+            infos[p] = TensorInfo(self.dtypes[p], self.shapes[p])
+            infos[self.gradients[p]] = TensorInfo(self.dtypes[p], self.shapes[p])
+        infos[self.loss] = TensorInfo(self.loss_dtype, ())
+        b = Builder(M.opset_of(m), names, infos, prefix="train", doc="")
+        data_inputs = [i.name for i in g.input if i.name not in {x.name for x in g.initializer}]
+
+        # parameters become inputs; gradients stay inside; outputs: loss first
+        _turn_into_inputs(g, self.params, self.defaults, doc="trainable parameter (current value)")
+        del g.output[:]
+        g.output.append(helper.make_tensor_value_info(self.loss, self.loss_dtype, []))
+        g.output[0].doc_string = "the loss of this batch (before the update)"
+        new_inputs: list[onnx.ValueInfoProto] = []
+        new_inits: list[onnx.TensorProto] = []
+        outputs: list[tuple[Var, str, int, tuple, str]] = []   # (value, name, dtype, shape, doc)
+
+        def add_input(base: str, dtype: int, shape: Sequence[int], doc: str, default: np.ndarray | None) -> Var:
+            name = names.fresh(base)
+            vi = helper.make_tensor_value_info(name, dtype, list(shape))
+            vi.doc_string = doc
+            new_inputs.append(vi)
+            infos[name] = TensorInfo(dtype, tuple(shape))
+            if default is not None and self.defaults:
+                new_inits.append(numpy_helper.from_array(np.asarray(default), name))
+            return b.var(name)
+
+        grads = {p: b.var(self.gradients[p]) for p in self.params}
+        acc_names: dict[str, list[str]] = {}
+        if self.k > 1:
+            sb = b.scoped("train/accumulate", "gradient accumulation over micro-batches")
+            accs = {p: add_input(f"{p}.grad_acc", self.dtypes[p], self.shapes[p],
+                                 f"sum of the gradients of '{p}' over the earlier micro-batches of this update",
+                                 np.zeros(self.shapes[p], helper.tensor_dtype_to_np_dtype(self.dtypes[p])))
+                    for p in self.params}
+            if accumulate:
+                grads = {p: sb.var(accs[p].name) + grads[p] for p in self.params}
+            else:
+                grads = {p: (sb.var(accs[p].name) + grads[p]) * (1.0 / self.k) for p in self.params}
+            acc_names = {p: [accs[p].name, ""] for p in self.params}
+
+        # global gradient norm; the finite flag; clipping
+        nb = b.scoped("train/grad_norm", "global L2 norm of the gradients")
+        squares = [nb.reduce("ReduceSumSquare", _as_float(nb, grads[p], self.dtypes[p]), None, keepdims=False)
+                   for p in self.params]
+        sumsq = squares[0] if len(squares) == 1 else nb.op.Sum(*squares)
+        fb = b.scoped("train/finite", "true when the loss and every gradient are finite")
+        probe = _as_float(fb, fb.var(self.loss), self.loss_dtype) + sumsq
+        finite = fb.op.Not(fb.op.Or(fb.op.IsNaN(probe), fb.op.IsInf(probe)))
+        outputs.append((finite, "finite", TensorProto.BOOL, (),
+                        "true when the loss and all gradients are finite; when false, do not use the outputs"
+                        + (" (the graph returns the old values)" if self.guard else "")))
+        if accumulate:
+            for p in self.params:
+                acc_names[p][1] = f"{acc_names[p][0]}.next"
+                total = grads[p]
+                if self.guard:
+                    total = b.op.Where(finite, total, b.var(acc_names[p][0]))
+                outputs.append((total, acc_names[p][1], self.dtypes[p], self.shapes[p],
+                                f"'{acc_names[p][0]}' plus this micro-batch's gradient"))
+        else:
+            norm = nb.op.Sqrt(sumsq)
+            outputs.append((norm, "grad_norm", TensorProto.FLOAT, (),
+                            "global L2 norm of the gradients" + (" (mean over the micro-batches)" if self.k > 1
+                                                                 else "") + ", before clipping"))
+            if self.clip is not None:
+                cb = b.scoped("train/clip", f"clip the global gradient norm to {self.clip}")
+                coef = cb.op.Min(cb.scalar(self.clip, norm) / (norm + CLIP_EPS), cb.scalar(1.0, norm))
+                grads = {p: grads[p] * _cast_to(cb, coef, self.dtypes[p]) for p in self.params}
+
+            lr = add_input("lr", TensorProto.FLOAT, (), "learning rate of this update (float32 scalar)",
+                           np.array(self.optimizer.lr, np.float32))
+            step = add_input("step", TensorProto.INT64, (), "number of this update, 1 for the first (int64 scalar)",
+                             np.array(1, np.int64))
+            ob = b.scoped("train/optimizer", f"{type(self.optimizer).__name__} update")
+            ctx = UpdateContext(ob, lr, step)
+            state_names: dict[str, dict[str, list[str]]] = {}
+            for p in self.params:
+                pb = ob.scoped(f"train/optimizer/{p}", f"{type(self.optimizer).__name__} update of '{p}'")
+                ctx.b = pb
+                init_state = self.optimizer.initial_state(self.initial[p])
+                state = {s: add_input(f"{p}.{s}", self.dtypes[p], self.shapes[p],
+                                      f"optimizer state '{s}' of '{p}'", init_state[s])
+                         for s in self.optimizer.active_state()}
+                new_p, new_state = self.optimizer.update(ctx, pb.var(p), grads[p], state)
+                if self.guard:
+                    new_p = pb.op.Where(finite, new_p, pb.var(p))
+                    new_state = {s: pb.op.Where(finite, v, state[s]) for s, v in new_state.items()}
+                outputs.append((new_p, f"{p}.next", self.dtypes[p], self.shapes[p], f"'{p}' after the update"))
+                state_names[p] = {}
+                for s, v in new_state.items():
+                    out = f"{state[s].name}.next"
+                    outputs.append((v, out, self.dtypes[p], self.shapes[p], f"'{state[s].name}' after the update"))
+                    state_names[p][s] = [state[s].name, out]
+
+        # name the outputs (renaming their producers where we can, so no copy is made)
+        graph_inputs = {i.name for i in g.input} | {vi.name for vi in new_inputs}
+        final: dict[str, str] = {}
+        for value, base, dtype, shape, doc in outputs:
+            name = names.fresh(base)
+            _name_output(b, value, name, graph_inputs)
+            final[base] = name
+            vi = helper.make_tensor_value_info(name, dtype, list(shape))
+            vi.doc_string = doc
+            g.output.append(vi)
+        g.input.extend(new_inputs)
+        g.initializer.extend(new_inits)
+        g.node.extend(b.nodes)
+        m.ir_version = M.emitted_ir_version(m)
+
+        spec = TrainingSpec(
+            loss=self.loss, lr="" if accumulate else lr.name, step="" if accumulate else step.name,
+            finite=final["finite"], grad_norm="" if accumulate else final["grad_norm"],
+            data_inputs=data_inputs,
+            params={p: ("" if accumulate else final[f"{p}.next"]) for p in self.params},
+            state={} if accumulate else {p: {s: [i, final[o]] for s, (i, o) in st.items()}
+                                         for p, st in state_names.items()},
+            accumulators={p: [i, final.get(o, o) if o else ""] for p, (i, o) in acc_names.items()},
+            frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
+            accumulation_steps=self.k, guard=self.guard)
+        return m, spec
+
+
+# -- graph surgery helpers ----------------------------------------------------------------------------
+def _check_loss(model: onnx.ModelProto, loss: str) -> None:
+    outputs = [o.name for o in model.graph.output]
+    if loss not in outputs:
+        raise UnknownNameError(f"loss '{loss}' is not an output of the model (outputs: {', '.join(outputs)}); "
+                               "name the loss output with loss=, or pass a loss from onnxgrad.losses")
+
+
+def _as_float(b: Builder, x: Var, dtype: int) -> Var:
+    """x in float32 (norms of float16 gradients overflow in float16)."""
+    return x if dtype == TensorProto.FLOAT else b.op.Cast(x, to=TensorProto.FLOAT)
+
+
+def _cast_to(b: Builder, x: Var, dtype: int) -> Var:
+    return x if dtype == TensorProto.FLOAT else b.op.Cast(x, to=dtype)
+
+
+def _name_output(b: Builder, value: Var, name: str, graph_inputs: set[str]) -> None:
+    """Make ``value`` available as tensor ``name``: rename its producer's output, else an Identity."""
+    producer = next((n for n in b.nodes if value.name in n.output), None)
+    if producer is None or value.name in graph_inputs:
+        b.nodes.append(helper.make_node("Identity", [value.name], [name], name=b.names.fresh(f"{name}/Identity")))
+        return
+    for node in b.nodes:
+        for k, x in enumerate(node.input):
+            if x == value.name:
+                node.input[k] = name
+        for k, y in enumerate(node.output):
+            if y == value.name:
+                node.output[k] = name
+    value.name = name
+
+
+def _turn_into_inputs(g: onnx.GraphProto, params: Sequence[str], keep_defaults: bool, doc: str) -> None:
+    """Make the initializers ``params`` graph inputs (keeping them as default values if asked)."""
+    inits = {i.name: i for i in g.initializer}
+    have = {i.name for i in g.input}
+    vis = []
+    for p in params:
+        t = inits[p]
+        if p not in have:
+            vi = helper.make_tensor_value_info(p, t.data_type, list(t.dims))
+            vi.doc_string = doc
+            vis.append(vi)
+    if not keep_defaults:
+        keep = [i for i in g.initializer if i.name not in set(params)]
+        del g.initializer[:]
+        g.initializer.extend(keep)
+        # a parameter that was already a graph input keeps its place; the others come after the data
+    g.input.extend(vis)
+
+
+def _params_as_inputs(model: onnx.ModelProto, params: Sequence[str] | dict, defaults: bool) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    present = {i.name for i in m.graph.initializer}
+    _turn_into_inputs(m.graph, [p for p in params if p in present], defaults, doc="trainable parameter")
+    return m
+
+
+def _prune(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
+    """The model computing only ``outputs``: unneeded nodes, inputs and initializers dropped."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    needed = set(outputs)
+    keep = []
+    for node in reversed(g.node):
+        if any(o in needed for o in node.output if o):
+            keep.append(node)
+            needed.update(x for x in node.input if x)
+            needed |= M.subgraph_inputs(node)
+    keep.reverse()
+    outs = [o for o in g.output if o.name in set(outputs)]
+    ins = [i for i in g.input if i.name in needed]
+    inits = [i for i in g.initializer if i.name in needed]
+    for field_, values in ((g.node, keep), (g.output, outs), (g.input, ins), (g.initializer, inits)):
+        del field_[:]
+        field_.extend(values)
+    return m
+
+
+def _set_meta(model: onnx.ModelProto, spec: TrainingSpec) -> None:
+    kept = [p for p in model.metadata_props if p.key != META_KEY]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    model.metadata_props.add(key=META_KEY, value=spec.to_json())

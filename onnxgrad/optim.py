@@ -1,0 +1,273 @@
+"""Optimizers as ONNX graphs: PyTorch's update rules and defaults, in standard ai.onnx ops.
+
+An optimizer here does not run anything: it describes its per-parameter state
+and emits, into the training graph, the ops that turn (parameter, gradient,
+state) into (new parameter, new state). The learning rate and the step count
+are graph inputs, so a scheduler changes the rate without a rebuild::
+
+    opt = optim.AdamW(lr=1e-3, weight_decay=0.01)
+    session = TrainingSession(model, loss="loss", optimizer=opt)
+
+Scalar factors that depend on the step (Adam's bias corrections, Adagrad's
+decayed rate) are computed once per graph in float64, as PyTorch computes them
+in Python floats, then cast to each parameter's type. ``step`` counts updates
+from 1, like PyTorch's ``state["step"]`` after its increment.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, ClassVar
+
+import numpy as np
+from onnx import TensorProto
+
+from .builder import Builder, Var
+from .errors import OnnxGradError
+
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "Adagrad", "OptimizerError", "OPTIMIZERS", "from_config"]
+
+
+class OptimizerError(OnnxGradError, ValueError):
+    """An optimizer was given an invalid hyperparameter, or a configuration that names no optimizer."""
+
+
+class UpdateContext:
+    """What an update sees besides its tensors: the builder, lr and step, and shared scalars.
+
+    ``lr`` and ``step`` are float64 scalars. ``shared(key, fn, like)`` computes a
+    float64 scalar once per graph (``fn()``) and casts it once per element type.
+    """
+
+    def __init__(self, b: Builder, lr: Var, step: Var):
+        self.b = b
+        self.step_int = step
+        self.lr = b.op.Cast(lr, to=TensorProto.DOUBLE)
+        self.step = b.op.Cast(step, to=TensorProto.DOUBLE)
+        self._doubles: dict[Any, Var] = {}
+        self._cast: dict[tuple[Any, int | None], Var] = {}
+        self._first: Var | None = None
+
+    def double(self, value: float) -> Var:
+        return self.b.const(np.array(value, np.float64), TensorProto.DOUBLE)
+
+    def shared(self, key: Any, fn: Callable[[], Var], like: Var) -> Var:
+        """The float64 scalar ``fn()`` (built once per graph) as a scalar of ``like``'s type."""
+        if key not in self._doubles:
+            self._doubles[key] = fn()
+        dtype = like.dtype
+        if (key, dtype) not in self._cast:
+            value = self._doubles[key]
+            self._cast[(key, dtype)] = (self.b.op.Cast(value, to=dtype) if dtype is not None
+                                        else self.b.op.CastLike(value, like))
+        return self._cast[(key, dtype)]
+
+    def lr_like(self, like: Var) -> Var:
+        return self.shared("lr", lambda: self.lr, like)
+
+    @property
+    def first_step(self) -> Var:
+        """step == 1 (a boolean scalar)."""
+        if self._first is None:
+            self._first = self.b.op.Equal(self.step_int, self.b.const(np.array(1, np.int64)))
+        return self._first
+
+
+class Optimizer:
+    """Base of the optimizers: hyperparameters, state layout, and the update emitted per parameter."""
+
+    state_names: ClassVar[tuple[str, ...]] = ()
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, **hyper: Any):
+        self.hyper = {**self.defaults, **hyper}
+        for k in hyper:
+            if k not in self.defaults:
+                raise OptimizerError(f"{type(self).__name__} has no option '{k}' "
+                                     f"(options: {', '.join(self.defaults)})")
+        self._validate()
+
+    def __getattr__(self, name: str) -> Any:
+        hyper = self.__dict__.get("hyper")
+        if hyper is not None and name in hyper:
+            return hyper[name]
+        raise AttributeError(name)
+
+    @property
+    def lr(self) -> float:
+        return float(self.hyper["lr"])
+
+    def _validate(self) -> None:
+        if not self.lr >= 0.0:
+            raise OptimizerError(f"invalid learning rate {self.lr}")
+        if not self.hyper.get("weight_decay", 0.0) >= 0.0:
+            raise OptimizerError(f"invalid weight_decay {self.hyper['weight_decay']}")
+
+    def active_state(self) -> tuple[str, ...]:
+        """The state tensors kept per parameter under these hyperparameters."""
+        return self.state_names
+
+    def initial_state(self, value: np.ndarray) -> dict[str, np.ndarray]:
+        """State of one parameter before the first update (zeros unless the optimizer says otherwise)."""
+        return {k: np.zeros_like(value) for k in self.active_state()}
+
+    def update(self, ctx: UpdateContext, p: Var, g: Var, state: dict[str, Var]) -> tuple[Var, dict[str, Var]]:
+        raise NotImplementedError
+
+    def config(self) -> dict[str, Any]:
+        """JSON-able description, for checkpoints and model metadata (``from_config`` reads it back)."""
+        hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.hyper.items()}
+        return {"type": type(self).__name__, **hyper}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(" + ", ".join(f"{k}={v!r}" for k, v in self.hyper.items()) + ")"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Optimizer) and self.config() == other.config()
+
+
+class SGD(Optimizer):
+    """Stochastic gradient descent with optional momentum, as ``torch.optim.SGD``::
+
+        g = g + weight_decay * p
+        buf = g  (first step),  momentum * buf + (1 - dampening) * g  (later)
+        g = g + momentum * buf  (nesterov),  buf  (otherwise)
+        p = p - lr * g
+    """
+
+    state_names = ("momentum_buffer",)
+    defaults = {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0}
+
+    def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
+                 weight_decay: float = 0.0):
+        super().__init__(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                         weight_decay=weight_decay)
+
+    def _validate(self) -> None:
+        super()._validate()
+        if not self.momentum >= 0.0:
+            raise OptimizerError(f"invalid momentum {self.momentum}")
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise OptimizerError("nesterov momentum requires a momentum and zero dampening")
+
+    def active_state(self) -> tuple[str, ...]:
+        return self.state_names if self.momentum else ()
+
+    def update(self, ctx, p, g, state):
+        if self.weight_decay:
+            g = g + self.weight_decay * p
+        new_state = {}
+        if self.momentum:
+            buf = state["momentum_buffer"]
+            if self.dampening:
+                later = self.momentum * buf + (1.0 - self.dampening) * g
+                buf = ctx.b.op.Where(ctx.first_step, g, later)
+            else:
+                buf = self.momentum * buf + g          # buf starts at zero: the first step gives g exactly
+            new_state["momentum_buffer"] = buf
+            g = g + self.momentum * buf if self.nesterov else buf
+        return p - ctx.lr_like(p) * g, new_state
+
+
+class Adam(Optimizer):
+    """Adam, as ``torch.optim.Adam`` (L2 penalty added to the gradient)::
+
+        g = g + weight_decay * p
+        m = m + (1 - beta1) (g - m);   v = beta2 v + (1 - beta2) g^2
+        p = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+    """
+
+    state_names = ("exp_avg", "exp_avg_sq")
+    defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    decoupled = False
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        super().__init__(lr=lr, betas=tuple(float(b) for b in betas), eps=eps, weight_decay=weight_decay)
+
+    def _validate(self) -> None:
+        super()._validate()
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise OptimizerError(f"invalid betas {self.betas}: each must be in [0, 1)")
+        if not self.eps >= 0.0:
+            raise OptimizerError(f"invalid eps {self.eps}")
+
+    def update(self, ctx, p, g, state):
+        b = ctx.b
+        beta1, beta2 = self.betas
+        if self.weight_decay and self.decoupled:
+            p = p * ctx.shared(("decay", self.weight_decay), lambda: 1.0 - ctx.lr * ctx.double(self.weight_decay), p)
+        elif self.weight_decay:
+            g = g + self.weight_decay * p
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m = m + (1.0 - beta1) * (g - m)
+        v = v * beta2 + ((1.0 - beta2) * g) * g
+        step_size = ctx.shared(("adam_step_size", beta1),
+                               lambda: ctx.lr / (1.0 - b.op.Pow(ctx.double(beta1), ctx.step)), p)
+        bias2_sqrt = ctx.shared(("adam_bias2_sqrt", beta2),
+                                lambda: b.op.Sqrt(1.0 - b.op.Pow(ctx.double(beta2), ctx.step)), p)
+        denom = b.op.Sqrt(v) / bias2_sqrt + self.eps
+        return p - (step_size * m) / denom, {"exp_avg": m, "exp_avg_sq": v}
+
+
+class AdamW(Adam):
+    """AdamW, as ``torch.optim.AdamW``: Adam with decoupled weight decay ``p = p * (1 - lr * weight_decay)`` first."""
+
+    defaults = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+    decoupled = True
+
+    def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2):
+        super().__init__(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+
+class Adagrad(Optimizer):
+    """Adagrad, as ``torch.optim.Adagrad``::
+
+        g = g + weight_decay * p
+        clr = lr / (1 + (t - 1) lr_decay)
+        sum = sum + g^2  (sum starts at initial_accumulator_value)
+        p = p - clr * g / (sqrt(sum) + eps)
+    """
+
+    state_names = ("sum",)
+    defaults = {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10}
+
+    def __init__(self, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10):
+        super().__init__(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                         initial_accumulator_value=initial_accumulator_value, eps=eps)
+
+    def _validate(self) -> None:
+        super()._validate()
+        if not self.lr_decay >= 0.0:
+            raise OptimizerError(f"invalid lr_decay {self.lr_decay}")
+        if not self.initial_accumulator_value >= 0.0:
+            raise OptimizerError(f"invalid initial_accumulator_value {self.initial_accumulator_value}")
+        if not self.eps >= 0.0:
+            raise OptimizerError(f"invalid eps {self.eps}")
+
+    def initial_state(self, value: np.ndarray) -> dict[str, np.ndarray]:
+        return {"sum": np.full_like(value, self.initial_accumulator_value)}
+
+    def update(self, ctx, p, g, state):
+        if self.weight_decay:
+            g = g + self.weight_decay * p
+        clr = ctx.shared(("adagrad_clr", self.lr_decay),
+                         lambda: ctx.lr / (1.0 + (ctx.step - 1.0) * ctx.double(self.lr_decay)), p)
+        total = state["sum"] + g * g
+        std = ctx.b.op.Sqrt(total) + self.eps
+        return p - (clr * g) / std, {"sum": total}
+
+
+OPTIMIZERS: dict[str, type[Optimizer]] = {"sgd": SGD, "adam": Adam, "adamw": AdamW, "adagrad": Adagrad}
+
+
+def from_config(config: dict[str, Any]) -> Optimizer:
+    """The optimizer an ``Optimizer.config()`` describes."""
+    config = dict(config)
+    kind = config.pop("type", None)
+    cls = {c.__name__: c for c in OPTIMIZERS.values()}.get(kind)
+    if cls is None:
+        raise OptimizerError(f"unknown optimizer type {kind!r}")
+    if "betas" in config:
+        config["betas"] = tuple(config["betas"])
+    return cls(**config)

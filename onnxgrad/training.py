@@ -1,0 +1,619 @@
+"""Training with stock onnxruntime: one run per step does forward, loss, backward and the update.
+
+>>> from onnxgrad import TrainingSession, losses, optim
+>>> s = TrainingSession(model, loss=losses.CrossEntropyLoss(output="logits", target="y"),
+...                     optimizer=optim.AdamW(lr=1e-3))
+>>> loss = s.step({"x": x, "y": y})      # a Python float
+>>> s.eval({"x": x})                      # {"logits": array}
+>>> s.save("ckpt.onnxgrad"); s = TrainingSession.load("ckpt.onnxgrad")
+>>> s.export("trained.onnx")
+
+The graphs come from :mod:`onnxgrad.artifacts`. Parameters and optimizer
+state live on the session's device as OrtValues; each step binds them as
+inputs and binds a second set of buffers as the outputs (``<param>.next``),
+then swaps the two sets: weights never travel to the host between steps.
+A step whose loss or gradients are not finite is never applied: it raises
+:class:`NonFiniteError` (``on_nonfinite="raise"``) or is counted in
+``skipped_steps`` and warned about (``"skip"``).
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import tempfile
+import warnings
+import zipfile
+from typing import Any, Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from . import artifacts as A
+from .errors import OnnxGradError, UnknownNameError
+from .optim import Optimizer, from_config
+
+__all__ = ["TrainingSession", "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError",
+           "NonFiniteError", "NonFiniteWarning"]
+
+CHECKPOINT_FORMAT = "onnxgrad-checkpoint"
+CHECKPOINT_VERSION = 1
+
+
+class CheckpointError(OnnxGradError):
+    """A checkpoint cannot be used."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """The file is not a readable onnxgrad checkpoint (truncated, damaged, or another format)."""
+
+
+class CheckpointMismatchError(CheckpointError):
+    """The checkpoint belongs to another model, parameter set or optimizer than this session's."""
+
+
+class NonFiniteError(OnnxGradError):
+    """A step produced a NaN or infinite loss or gradient; its update was not applied."""
+
+
+class NonFiniteWarning(UserWarning):
+    """A step produced a NaN or infinite loss or gradient and was skipped (``on_nonfinite="skip"``)."""
+
+
+def default_providers() -> list[str]:
+    """CUDA first when this onnxruntime has it (onnxruntime-gpu), then CPU."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if "CUDAExecutionProvider" in available:
+        return ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    return ["CPUExecutionProvider"]
+
+
+class TrainingSession:
+    """Train an ONNX model with onnxruntime.
+
+    ``model``: a model with a scalar loss output (``loss`` names it), or a forward
+    model and a loss from :mod:`onnxgrad.losses` as ``loss``. ``optimizer``: from
+    :mod:`onnxgrad.optim` (default ``AdamW()``). ``frozen``: initializers not to
+    train. ``clip_grad_norm``: clip the global gradient norm (as
+    ``torch.nn.utils.clip_grad_norm_``). ``accumulation_steps=k``: each ``step``
+    call is one micro-batch and every k-th applies the mean of their gradients.
+    ``on_nonfinite``: "raise" or "skip". ``providers``: onnxruntime execution
+    providers (default: CUDA when available, else CPU).
+
+    ``lr`` (the learning rate of the next steps; a scheduler sets it), ``step_count``
+    (updates applied), ``skipped_steps`` and ``last_grad_norm`` are plain attributes;
+    ``device`` says where parameters and optimizer state live.
+    """
+
+    def __init__(
+        self,
+        model: onnx.ModelProto | str | os.PathLike,
+        loss: str | Callable[[onnx.ModelProto], onnx.ModelProto] = "loss",
+        optimizer: Optimizer | None = None,
+        providers: Sequence[Any] | None = None,
+        frozen: Iterable[str] = (),
+        *,
+        clip_grad_norm: float | None = None,
+        accumulation_steps: int = 1,
+        on_nonfinite: str = "raise",
+        session_options: Any = None,
+    ):
+        import onnxruntime as ort
+
+        if on_nonfinite not in ("raise", "skip"):
+            raise OnnxGradError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
+        self.on_nonfinite = on_nonfinite
+        self.artifacts = A.build(model, loss, optimizer, frozen=frozen, clip_grad_norm=clip_grad_norm,
+                                 accumulation_steps=accumulation_steps, guard=False, defaults=False)
+        spec = self.artifacts.spec
+        self.spec = spec
+        self.optimizer = from_config(spec.optimizer)
+        self.lr = self.optimizer.lr
+        self.step_count = 0          # updates applied
+        self.skipped_steps = 0       # updates not applied (non-finite, on_nonfinite="skip")
+        self.last_grad_norm = float("nan")
+        self._micro = 0              # micro-batches accumulated towards the next update
+        self._poisoned = False       # a non-finite micro-batch in this accumulation window
+
+        self._ort = ort
+        self._providers = list(providers) if providers is not None else default_providers()
+        self._options = session_options
+        try:
+            self._train = self._session(self.artifacts.train)
+        except Exception:
+            if providers is not None or self._providers == ["CPUExecutionProvider"]:
+                raise
+            self._providers = ["CPUExecutionProvider"]    # onnxruntime-gpu without a usable GPU
+            self._train = self._session(self.artifacts.train)
+        self.device, self.device_id = _device_of(self._train)
+        self._accumulate = self._session(self.artifacts.accumulate) if self.artifacts.accumulate else None
+        self._evals: dict[bool, Any] = {}
+
+        # device buffers: current values and a spare set the next step writes into
+        self._sets: list[dict[str, Any]] = [{}, {}]     # two buffer sets; a step reads one, writes the other
+        self._parity = 0                                   # which set holds the current values
+        self._bindings: list[Any] | None = None            # one prebuilt IOBinding per parity
+        self._layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        values = dict(self.artifacts.initial_params)
+        for p, states in self.artifacts.initial_state.items():
+            for s, v in states.items():
+                values[spec.state[p][s][0]] = v
+        for name, v in values.items():
+            self._sets[0][name] = self._device_value(v)
+            self._sets[1][name] = self._empty_like(v)
+            self._layout[name] = (tuple(v.shape), np.dtype(v.dtype))
+        if spec.accumulation_steps > 1:
+            self._acc_zero = {i: self._device_value(np.zeros_like(self.artifacts.initial_params[p]))
+                              for p, (i, _) in spec.accumulators.items()}
+            self._acc_bufs = [{i: self._empty_like(self.artifacts.initial_params[p])
+                               for p, (i, _) in spec.accumulators.items()} for _ in range(2)]
+            self._acc_parity = 0
+        self._acc_valid = False
+        self._scalars = {k: ort.OrtValue.ortvalue_from_shape_and_type([], dt, "cpu", 0)
+                         for k, dt in (("loss", self._dtype_of(spec.loss)), ("finite", np.bool_),
+                                       ("grad_norm", np.float32))}
+        self._acc_scalars = {k: ort.OrtValue.ortvalue_from_shape_and_type([], dt, "cpu", 0)
+                             for k, dt in (("loss", self._dtype_of(spec.loss)), ("finite", np.bool_))}
+        self._input_types = {i.name: i for s in (self._train, self._accumulate) if s for i in s.get_inputs()}
+        inits = {x.name for x in self.artifacts.loss_model.graph.initializer}
+        self._loss_inputs = [i.name for i in self.artifacts.loss_model.graph.input if i.name not in inits]
+
+    # -- running --------------------------------------------------------------------------------------
+    def step(self, feeds: Mapping[str, np.ndarray], lr: float | None = None) -> float:
+        """One micro-batch: forward, loss, backward and (every ``accumulation_steps``-th call) the update.
+
+        Returns the loss of this batch (computed with the weights before the update).
+        ``lr`` overrides the session's learning rate ``self.lr`` for this step.
+        """
+        spec = self.spec
+        data = self._data(feeds, spec.data_inputs, "step")
+        if self._micro < spec.accumulation_steps - 1:
+            return self._accumulate_step(data)
+        io_ = self._train_binding()
+        for name, arr in data.items():
+            io_.bind_cpu_input(name, arr)
+        io_.bind_cpu_input(spec.lr, np.array(self.lr if lr is None else lr, np.float32))
+        io_.bind_cpu_input(spec.step, np.array(self.step_count + 1, np.int64))
+        if spec.accumulation_steps > 1:
+            for name, ov in self._acc_source().items():
+                io_.bind_ortvalue_input(name, ov)
+        self._train.run_with_iobinding(io_)
+        loss = float(self._scalars["loss"].numpy())
+        finite = bool(self._scalars["finite"].numpy())
+        self.last_grad_norm = float(self._scalars["grad_norm"].numpy())
+        poisoned, self._poisoned, self._micro, self._acc_valid = self._poisoned, False, 0, False
+        if finite and not poisoned:
+            self._parity = 1 - self._parity       # the outputs become the current values
+            self.step_count += 1
+            return loss
+        self._not_finite(loss, "the update was not applied")
+        return loss
+
+    @property
+    def _cur(self) -> dict[str, Any]:
+        return self._sets[self._parity]
+
+    def _set_current(self, name: str, value: Any) -> None:
+        """Replace a current buffer (restore, load_parameters): the prebuilt bindings are rebuilt."""
+        self._sets[self._parity][name] = value
+        self._bindings = None
+
+    def _train_binding(self):
+        """The IOBinding reading the current set and writing the other, with the loss scalars bound."""
+        if self._bindings is None:
+            spec, outputs = self.spec, self._outputs()
+            self._bindings = []
+            for k in (0, 1):
+                io_ = self._train.io_binding()
+                for name, ov in self._sets[k].items():
+                    io_.bind_ortvalue_input(name, ov)
+                for inp, out in outputs.items():
+                    io_.bind_ortvalue_output(out, self._sets[1 - k][inp])
+                io_.bind_ortvalue_output(spec.loss, self._scalars["loss"])
+                io_.bind_ortvalue_output(spec.finite, self._scalars["finite"])
+                io_.bind_ortvalue_output(spec.grad_norm, self._scalars["grad_norm"])
+                self._bindings.append(io_)
+        return self._bindings[self._parity]
+
+    def _accumulate_step(self, data: dict[str, np.ndarray]) -> float:
+        """A micro-batch that only adds its gradients to the accumulators (no update)."""
+        spec = self.spec
+        io_ = self._accumulate.io_binding()
+        for name, arr in data.items():
+            io_.bind_cpu_input(name, arr)
+        for name in spec.params:
+            io_.bind_ortvalue_input(name, self._cur[name])
+        src = self._acc_source()
+        dst = self._acc_bufs[1 - self._acc_parity]
+        for i, o in spec.accumulators.values():
+            io_.bind_ortvalue_input(i, src[i])
+            io_.bind_ortvalue_output(o, dst[i])
+        io_.bind_ortvalue_output(spec.loss, self._acc_scalars["loss"])
+        io_.bind_ortvalue_output(spec.finite, self._acc_scalars["finite"])
+        self._accumulate.run_with_iobinding(io_)
+        loss = float(self._acc_scalars["loss"].numpy())
+        if bool(self._acc_scalars["finite"].numpy()):
+            self._acc_parity = 1 - self._acc_parity
+            self._acc_valid = True
+        elif self.on_nonfinite == "raise":
+            self._not_finite(loss, "this micro-batch was not accumulated")
+        else:
+            self._poisoned = True     # the update that ends this window will be skipped
+        self._micro += 1
+        return loss
+
+    def _acc_source(self) -> dict[str, Any]:
+        return self._acc_bufs[self._acc_parity] if self._acc_valid else self._acc_zero
+
+    def _not_finite(self, loss: float, what: str) -> None:
+        msg = (f"step {self.step_count + 1}: non-finite loss or gradient (loss {loss}, gradient norm "
+               f"{self.last_grad_norm}); {what}")
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(msg + "; parameters and optimizer state are unchanged")
+        self.skipped_steps += 1
+        warnings.warn(msg + " (skipped)", NonFiniteWarning, stacklevel=3)
+
+    def eval(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        """Forward only, with the current weights: ``{output name: array}``.
+
+        When ``feeds`` also hold the loss's inputs (the target), the loss is among the outputs.
+        """
+        sess, inputs, params, all_outputs = self._eval_session(all(n in feeds for n in self._loss_inputs))
+        data = self._data(feeds, inputs, "eval", known=set(self._loss_inputs))
+        names = list(outputs) if outputs is not None else all_outputs
+        unknown = [n for n in names if n not in all_outputs]
+        if unknown:
+            raise UnknownNameError(f"eval: {', '.join(map(repr, unknown))} not an output here "
+                                   f"(outputs: {', '.join(all_outputs)})")
+        io_ = sess.io_binding()
+        for name, arr in data.items():
+            io_.bind_cpu_input(name, arr)
+        cur = self._cur
+        for name in params:
+            io_.bind_ortvalue_input(name, cur[name])
+        for name in names:
+            io_.bind_output(name, "cpu")
+        sess.run_with_iobinding(io_)
+        return {name: np.array(v.numpy()) for name, v in zip(names, io_.get_outputs())}
+
+    # -- weights ----------------------------------------------------------------------------------------
+    def parameters(self) -> dict[str, np.ndarray]:
+        """``{initializer name: array}``: the trainable parameters' current values and the frozen ones."""
+        out = {}
+        for init in self.artifacts.loss_model.graph.initializer:
+            if init.name in self.spec.params:
+                out[init.name] = np.array(self._cur[init.name].numpy())
+            elif init.name in self.spec.frozen:
+                out[init.name] = numpy_helper.to_array(init).copy()
+        return out
+
+    def optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
+        """``{parameter: {state name: array}}``, e.g. ``{"W": {"exp_avg": ..., "exp_avg_sq": ...}}``."""
+        return {p: {s: np.array(self._cur[i].numpy()) for s, (i, _) in st.items()}
+                for p, st in self.spec.state.items()}
+
+    def load_parameters(self, values: Mapping[str, np.ndarray]) -> None:
+        """Overwrite some trainable parameters (shapes and types must match)."""
+        for name, v in values.items():
+            if name not in self.spec.params:
+                raise UnknownNameError(f"'{name}' is not a trainable parameter of this session")
+            self._set_current(name, self._device_value(self._checked(name, v)))
+
+    def export(self, path: str | os.PathLike) -> None:
+        """Write the forward model with the current weights (an inference model), atomically."""
+        m = self.exported_model()
+        _atomic_write(os.fspath(path), lambda f: f.write(m.SerializeToString()))
+
+    def exported_model(self) -> onnx.ModelProto:
+        m = onnx.ModelProto()
+        m.CopyFrom(self.artifacts.forward)
+        params = self.parameters()
+        for init in m.graph.initializer:
+            if init.name in self.spec.params:
+                init.CopyFrom(numpy_helper.from_array(params[init.name], init.name))
+        return m
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Write weights, optimizer state, step count and the model to ``path``, atomically.
+
+        The file is written beside ``path`` under a temporary name, flushed to disk
+        and renamed over ``path``: a crash mid-save leaves the previous file intact.
+        """
+        arrays: list[tuple[dict, np.ndarray]] = []
+        for p in self.spec.params:
+            arrays.append(({"kind": "param", "name": p}, self._cur[p].numpy()))
+        for p, st in self.spec.state.items():
+            for s, (i, _) in st.items():
+                arrays.append(({"kind": "state", "param": p, "state": s}, self._cur[i].numpy()))
+        if self.spec.accumulation_steps > 1 and self._acc_valid:
+            src = self._acc_bufs[self._acc_parity]
+            for p, (i, _) in self.spec.accumulators.items():
+                arrays.append(({"kind": "grad_acc", "param": p}, src[i].numpy()))
+        model_bytes = self._stripped_model().SerializeToString()
+        header = {
+            "format": CHECKPOINT_FORMAT,
+            "version": CHECKPOINT_VERSION,
+            "step_count": self.step_count,
+            "skipped_steps": self.skipped_steps,
+            "lr": self.lr,
+            "micro": self._micro,
+            "poisoned": self._poisoned,
+            "loss": self.spec.loss,
+            "optimizer": self.spec.optimizer,
+            "frozen": self.spec.frozen,
+            "clip_grad_norm": self.spec.clip_grad_norm,
+            "accumulation_steps": self.spec.accumulation_steps,
+            "on_nonfinite": self.on_nonfinite,
+            "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
+            "arrays": [dict(meta, shape=list(a.shape), dtype=a.dtype.str) for meta, a in arrays],
+        }
+
+        def write(f) -> None:
+            with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
+                z.writestr("header.json", json.dumps(header, indent=1))
+                z.writestr("model.onnx", model_bytes)
+                for k, (_, a) in enumerate(arrays):
+                    with z.open(f"arrays/{k}.npy", "w", force_zip64=True) as member:
+                        np.lib.format.write_array(member, np.ascontiguousarray(a), allow_pickle=False)
+
+        _atomic_write(os.fspath(path), write)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, providers: Sequence[Any] | None = None,
+             session_options: Any = None) -> "TrainingSession":
+        """A session rebuilt from a checkpoint written by :meth:`save`, ready to continue training."""
+        header, model_bytes, arrays = _read_checkpoint(os.fspath(path))
+        model = onnx.ModelProto()
+        try:
+            model.ParseFromString(model_bytes)
+            params = {a["name"]: v for a, v in zip(header["arrays"], arrays) if a["kind"] == "param"}
+            _fill_initializers(model, params)
+            optimizer = from_config(header["optimizer"])
+        except CheckpointError:
+            raise
+        except Exception as e:
+            raise CorruptCheckpointError(f"checkpoint '{os.fspath(path)}': cannot rebuild its model: "
+                                         f"{type(e).__name__}: {e}") from None
+        s = cls(model, loss=header["loss"], optimizer=optimizer, providers=providers, frozen=header["frozen"],
+                clip_grad_norm=header["clip_grad_norm"], accumulation_steps=header["accumulation_steps"],
+                on_nonfinite=header["on_nonfinite"], session_options=session_options)
+        s._restore(header, arrays, os.fspath(path))
+        return s
+
+    def restore(self, path: str | os.PathLike) -> None:
+        """Load a checkpoint of this same model and optimizer into this session."""
+        header, _, arrays = _read_checkpoint(os.fspath(path))
+        self._restore(header, arrays, os.fspath(path))
+
+    def _restore(self, header: dict, arrays: list[np.ndarray], path: str) -> None:
+        spec = self.spec
+        problems = []
+        mine = hashlib.sha256(self._stripped_model().SerializeToString()).hexdigest()
+        if header.get("model_sha256") != mine:
+            problems.append("it was saved from a different model (graph or frozen weights differ)")
+        if header.get("optimizer", {}).get("type") != spec.optimizer["type"]:
+            problems.append(f"its optimizer is {header.get('optimizer', {}).get('type')}, "
+                            f"this session's is {spec.optimizer['type']}")
+        if header.get("accumulation_steps") != spec.accumulation_steps:
+            problems.append(f"it accumulates over {header.get('accumulation_steps')} micro-batches, "
+                            f"this session over {spec.accumulation_steps}")
+        values: dict[str, np.ndarray] = {}
+        accs: dict[str, np.ndarray] = {}
+        for meta, a in zip(header["arrays"], arrays):
+            if meta["kind"] == "param":
+                values[meta["name"]] = a
+            elif meta["kind"] == "state":
+                st = spec.state.get(meta["param"], {}).get(meta["state"])
+                if st is None:
+                    problems.append(f"it holds state '{meta['state']}' of '{meta['param']}', unknown here")
+                else:
+                    values[st[0]] = a
+            elif meta["kind"] == "grad_acc" and meta["param"] in spec.accumulators:
+                accs[spec.accumulators[meta["param"]][0]] = a
+        missing = [n for n in self._cur if n not in values]
+        if missing:
+            problems.append(f"it lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        for name, a in values.items():
+            if name in self._cur:
+                ref = self._layout[name]
+                if tuple(a.shape) != ref[0] or a.dtype != ref[1]:
+                    problems.append(f"'{name}' is {a.dtype}{list(a.shape)} there, {ref[1]}{list(ref[0])} here")
+        if problems:
+            raise CheckpointMismatchError(f"checkpoint '{path}' does not fit this session: " + "; ".join(problems))
+        for name, a in values.items():
+            self._set_current(name, self._device_value(a))
+        self.step_count = int(header["step_count"])
+        self.skipped_steps = int(header.get("skipped_steps", 0))
+        self.lr = float(header["lr"])
+        self._micro = int(header.get("micro", 0))
+        self._poisoned = bool(header.get("poisoned", False))
+        if spec.accumulation_steps > 1:
+            self._acc_parity, self._acc_valid = 0, bool(accs)
+            for name, a in accs.items():
+                self._acc_bufs[0][name] = self._device_value(a)
+
+    # -- helpers ------------------------------------------------------------------------------------------
+    def _session(self, model: onnx.ModelProto):
+        ort = self._ort
+        opts = self._options
+        if opts is None:
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 3
+        return ort.InferenceSession(model.SerializeToString(), opts, providers=self._providers)
+
+    def _eval_session(self, with_loss: bool) -> tuple[Any, list[str], list[str], list[str]]:
+        """(session, its data inputs, its parameter inputs, its outputs), built on first use."""
+        if with_loss not in self._evals:
+            model = self.artifacts.eval_with_loss() if with_loss else self.artifacts.eval
+            sess = self._session(model)
+            names = [i.name for i in sess.get_inputs()]
+            self._evals[with_loss] = (sess, [n for n in names if n not in self.spec.params],
+                                      [n for n in names if n in self.spec.params],
+                                      [o.name for o in sess.get_outputs()])
+        return self._evals[with_loss]
+
+    def _outputs(self) -> dict[str, str]:
+        """Input -> output names of everything the train graph updates."""
+        out = dict(self.spec.params)
+        for st in self.spec.state.values():
+            out.update({i: o for i, o in st.values()})
+        return out
+
+    def _device_value(self, arr: np.ndarray):
+        arr = np.array(arr, copy=True, order="C")
+        return self._ort.OrtValue.ortvalue_from_numpy(arr, self.device, self.device_id)
+
+    def _empty_like(self, arr: np.ndarray):
+        return self._ort.OrtValue.ortvalue_from_shape_and_type(list(arr.shape), arr.dtype, self.device,
+                                                               self.device_id)
+
+    def _dtype_of(self, output: str) -> np.dtype:
+        for o in self.artifacts.train.graph.output:
+            if o.name == output:
+                return np.dtype(helper.tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type))
+        return np.dtype(np.float32)
+
+    def _checked(self, name: str, v: np.ndarray) -> np.ndarray:
+        ref = self.artifacts.initial_params[name]
+        v = np.asarray(v)
+        if v.shape != ref.shape:
+            raise OnnxGradError(f"'{name}' has shape {list(ref.shape)}, got {list(v.shape)}")
+        return v.astype(ref.dtype, copy=False)
+
+    def _data(self, feeds: Mapping[str, np.ndarray], names: Sequence[str], what: str,
+              known: set[str] | None = None) -> dict[str, np.ndarray]:
+        known = set(known or ()) | set(names) | set(self.spec.data_inputs)
+        unknown = [k for k in feeds if k not in known]
+        if unknown:
+            raise UnknownNameError(f"{what}: {', '.join(map(repr, unknown))} not an input of the model "
+                                   f"(inputs: {', '.join(sorted(known))})")
+        missing = [n for n in names if n not in feeds]
+        if missing:
+            raise UnknownNameError(f"{what}: missing input(s) {', '.join(map(repr, missing))} "
+                                   f"(needs {', '.join(names)})")
+        out = {}
+        for n in names:
+            out[n] = self._coerce(n, feeds[n])
+        return out
+
+    def _coerce(self, name: str, value: Any) -> np.ndarray:
+        arr = np.asarray(value)
+        info = self._input_types.get(name)
+        want = _NP_OF_ORT.get(info.type) if info is not None else None
+        if want is None:
+            for sess, *_ in self._evals.values():
+                for i in sess.get_inputs():
+                    if i.name == name:
+                        want = _NP_OF_ORT.get(i.type)
+        if want is not None and arr.dtype != want:
+            if np.dtype(want).kind == "f" and arr.dtype.kind in "fiub" or \
+                    np.dtype(want).kind in "iu" and arr.dtype.kind in "iub":
+                arr = arr.astype(want)
+            else:
+                raise OnnxGradError(f"input '{name}' expects {np.dtype(want)}, got {arr.dtype}")
+        return np.ascontiguousarray(arr)
+
+    def _stripped_model(self) -> onnx.ModelProto:
+        """The loss model with the trainable parameters' data left out (they are stored as arrays)."""
+        m = onnx.ModelProto()
+        m.CopyFrom(self.artifacts.loss_model)
+        for init in m.graph.initializer:
+            if init.name in self.spec.params:
+                dims, dtype, name = list(init.dims), init.data_type, init.name
+                init.Clear()
+                init.name, init.data_type = name, dtype
+                init.dims.extend(dims)
+        return m
+
+    def __repr__(self) -> str:
+        return (f"TrainingSession({len(self.spec.params)} parameters, {type(self.optimizer).__name__}, "
+                f"lr={self.lr}, step_count={self.step_count}, device={self.device})")
+
+
+# -- files ----------------------------------------------------------------------------------------------
+def _atomic_write(path: str, write: Callable[[Any], None]) -> None:
+    """Write via a temporary file in the same folder, fsync it, and rename it over ``path``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename itself durable
+        dfd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dfd)
+    except OSError:
+        pass
+    finally:
+        os.close(dfd)
+
+
+def _device_of(sess: Any) -> tuple[str, int]:
+    """Where the session's first execution provider keeps tensors: ("cuda", id) or ("cpu", 0)."""
+    used = sess.get_providers()
+    if used and used[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider"):
+        options = sess.get_provider_options().get(used[0], {})
+        return "cuda", int(options.get("device_id", 0) or 0)
+    return "cpu", 0
+
+
+def _read_checkpoint(path: str) -> tuple[dict, bytes, list[np.ndarray]]:
+    if not os.path.isfile(path):
+        raise CheckpointError(f"no checkpoint at '{path}'")
+    try:
+        with zipfile.ZipFile(path) as z:
+            header = json.loads(z.read("header.json"))
+            if header.get("format") != CHECKPOINT_FORMAT:
+                raise CorruptCheckpointError(f"'{path}' is not an onnxgrad checkpoint")
+            if header.get("version") != CHECKPOINT_VERSION:
+                raise CorruptCheckpointError(f"checkpoint '{path}' has format version {header.get('version')}; "
+                                             f"this onnxgrad reads version {CHECKPOINT_VERSION}")
+            model_bytes = z.read("model.onnx")
+            if hashlib.sha256(model_bytes).hexdigest() != header.get("model_sha256"):
+                raise CorruptCheckpointError(f"checkpoint '{path}': its model does not match its checksum")
+            arrays = []
+            for k, meta in enumerate(header["arrays"]):
+                a = np.lib.format.read_array(io.BytesIO(z.read(f"arrays/{k}.npy")), allow_pickle=False)
+                if list(a.shape) != list(meta["shape"]) or a.dtype.str != meta["dtype"]:
+                    raise CorruptCheckpointError(f"checkpoint '{path}': array {k} does not match its header")
+                arrays.append(a)
+    except CheckpointError:
+        raise
+    except Exception as e:  # zipfile, json, numpy: a damaged or foreign file
+        raise CorruptCheckpointError(f"cannot read checkpoint '{path}': {type(e).__name__}: {e}") from None
+    return header, model_bytes, arrays
+
+
+def _fill_initializers(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> None:
+    present = {i.name for i in model.graph.initializer}
+    missing = [n for n in values if n not in present]
+    if missing:
+        raise CorruptCheckpointError(f"checkpoint holds parameters its model does not have: {', '.join(missing)}")
+    for init in model.graph.initializer:
+        if init.name in values:
+            init.CopyFrom(numpy_helper.from_array(np.asarray(values[init.name]), init.name))
+
+
+_NP_OF_ORT = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16, "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16, "tensor(uint32)": np.uint32,
+    "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
+}

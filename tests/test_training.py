@@ -1,0 +1,568 @@
+"""TrainingSession, the training artifacts and the optimizers: PyTorch trajectories, checkpoints, NaN handling, CLI."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, numpy_helper
+
+import onnxgrad
+from onnxgrad import TrainingSession, artifacts, losses, optim
+from onnxgrad.cli import main as cli_main
+from onnxgrad.training import (CheckpointMismatchError, CorruptCheckpointError, NonFiniteError,
+                               NonFiniteWarning)
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "models" / "training"
+RUNS = json.loads((FIXTURES / "runs.json").read_text())["runs"]
+DATA = np.load(FIXTURES / "trajectories.npz")
+F = TensorProto.FLOAT
+
+
+def mlp_model():
+    return onnx.load(FIXTURES / "mlp.onnx")
+
+
+def ce(**options):
+    return losses.CrossEntropyLoss(output="logits", target="y", **options)
+
+
+def batch(step=0):
+    return {"x": DATA["x"][step], "y": DATA["y"][step]}
+
+
+def session(optimizer=None, **kw):
+    return TrainingSession(mlp_model(), loss=ce(), optimizer=optimizer or optim.AdamW(lr=1e-2), **kw)
+
+
+# -- agreement with PyTorch (models/training/make_fixtures.py) ----------------------------------------
+@pytest.mark.parametrize("run", sorted(RUNS))
+def test_trajectory_matches_pytorch(run):
+    cfg = RUNS[run]
+    options, training = dict(cfg["options"]), cfg["training"]
+    if "betas" in options:
+        options["betas"] = tuple(options["betas"])
+    k = training.get("accumulation", 1)
+    s = TrainingSession(mlp_model(), loss=ce(label_smoothing=training.get("label_smoothing", 0.0)),
+                        optimizer=getattr(optim, cfg["optimizer"])(**options),
+                        clip_grad_norm=training.get("clip_grad_norm"), accumulation_steps=k)
+    got = []
+    for step in range(len(DATA["x"])):
+        if "gamma" in training:                      # a schedule: lr is a graph input, no rebuild
+            s.lr = options["lr"] * training["gamma"] ** step
+        for x, y in zip(np.split(DATA["x"][step], k), np.split(DATA["y"][step], k)):
+            loss = s.step({"x": x, "y": y})
+            assert isinstance(loss, float)
+            got.append(loss)
+        if "clip_grad_norm" in training and step == 0:
+            assert s.last_grad_norm > training["clip_grad_norm"]     # the clipping was active
+    assert s.step_count == len(DATA["x"])
+    np.testing.assert_allclose(got, DATA[f"{run}/losses"], rtol=0, atol=2e-6)
+    params = s.parameters()
+    assert sorted(params) == sorted(n for n in ("0.weight", "0.bias", "2.weight", "2.bias"))
+    for name, value in params.items():
+        np.testing.assert_allclose(value, DATA[f"{run}/{name}"], rtol=0, atol=2e-6, err_msg=name)
+
+
+# -- the session ----------------------------------------------------------------------------------------
+def numpy_forward(params, x):
+    h = np.maximum(x @ params["0.weight"].T + params["0.bias"], 0)
+    return h @ params["2.weight"].T + params["2.bias"]
+
+
+def test_eval_parameters_and_export_use_the_current_weights(tmp_path):
+    s = session()
+    for step in range(3):
+        s.step(batch(step))
+    params = s.parameters()
+    out = s.eval({"x": DATA["x"][0]})
+    assert list(out) == ["logits"]
+    np.testing.assert_allclose(out["logits"], numpy_forward(params, DATA["x"][0]), rtol=1e-5, atol=1e-6)
+    with_loss = s.eval(batch(0))                 # the target given: the loss comes too
+    assert set(with_loss) == {"logits", "loss"}
+    assert list(s.eval(batch(0), outputs=["loss"])) == ["loss"]
+    with pytest.raises(onnxgrad.UnknownNameError, match="not an output"):
+        s.eval({"x": DATA["x"][0]}, outputs=["loss"])
+    path = tmp_path / "trained.onnx"
+    s.export(path)
+    exported = onnx.load(path)
+    onnx.checker.check_model(exported, full_check=True)
+    assert [i.name for i in exported.graph.input] == ["x"] and [o.name for o in exported.graph.output] == ["logits"]
+    inits = {i.name: numpy_helper.to_array(i) for i in exported.graph.initializer}
+    for name, value in params.items():
+        np.testing.assert_array_equal(inits[name], value)
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(sess.run(None, {"x": DATA["x"][1]})[0], s.eval({"x": DATA["x"][1]})["logits"],
+                               rtol=1e-6, atol=1e-7)
+
+
+def test_model_with_its_own_loss_output():
+    m = losses.cross_entropy(mlp_model(), "logits", "y")
+    a = TrainingSession(m, loss="loss", optimizer=optim.SGD(lr=0.1))
+    b = TrainingSession(mlp_model(), loss=ce(), optimizer=optim.SGD(lr=0.1))
+    for step in range(2):
+        assert a.step(batch(step)) == b.step(batch(step))
+    assert list(a.eval({"x": DATA["x"][0]})) == ["logits"]
+    assert [o.name for o in a.exported_model().graph.output] == ["logits"]
+
+
+def test_learning_rate_is_an_input_and_step_count_is_kept():
+    s = session(optim.SGD(lr=0.5))
+    before = s.parameters()
+    s.step(batch(0), lr=0.0)                      # a zero rate: weights unchanged, the step still counts
+    assert s.step_count == 1
+    for name, value in s.parameters().items():
+        np.testing.assert_array_equal(value, before[name])
+    s.lr = 0.1
+    s.step(batch(1))
+    assert any(not np.array_equal(v, before[k]) for k, v in s.parameters().items())
+
+
+def test_sgd_step_is_p_minus_lr_times_gradient():
+    s = session(optim.SGD(lr=0.25))
+    gm = onnxgrad.grad(losses.cross_entropy(mlp_model(), "logits", "y"), loss="loss")
+    sess = ort.InferenceSession(gm.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    grads = dict(zip(names, sess.run(None, batch(0))))
+    before = s.parameters()
+    s.step(batch(0))
+    for name, value in s.parameters().items():
+        np.testing.assert_allclose(value, before[name] - 0.25 * grads[f"{name}_grad"], rtol=0, atol=1e-7)
+
+
+def test_frozen_parameters_stay_constant():
+    s = session(optim.SGD(lr=0.1, momentum=0.9), frozen=["0.weight"])
+    start = s.parameters()
+    for step in range(3):
+        s.step(batch(step))
+    after = s.parameters()
+    np.testing.assert_array_equal(after["0.weight"], start["0.weight"])
+    assert not np.array_equal(after["0.bias"], start["0.bias"])
+    assert "0.weight" not in s.spec.params and "0.weight" not in [i.name for i in s.artifacts.train.graph.input]
+
+
+def test_optimizer_state_layout():
+    s = session(optim.Adam())
+    state = s.optimizer_state()
+    assert set(state) == set(s.spec.params)
+    assert set(state["0.weight"]) == {"exp_avg", "exp_avg_sq"}
+    assert session(optim.SGD(lr=0.1)).optimizer_state() == {p: {} for p in s.spec.params}
+
+
+def test_parameters_are_not_copied_to_the_host_between_steps():
+    """Weights go in as bound OrtValues and come back into the spare set; the two sets swap."""
+    s = session(optim.SGD(lr=0.1))
+    cur, spare = dict(s._sets[s._parity]), dict(s._sets[1 - s._parity])
+    s.step(batch(0))
+    assert all(s._sets[s._parity][k] is spare[k] and s._sets[1 - s._parity][k] is cur[k] for k in cur)
+    s.step(batch(1))
+    assert all(s._sets[s._parity][k] is cur[k] for k in cur)
+
+
+def test_feeds_are_checked_and_coerced():
+    s = session()
+    with pytest.raises(onnxgrad.UnknownNameError, match="missing input"):
+        s.step({"x": DATA["x"][0]})
+    with pytest.raises(onnxgrad.UnknownNameError, match="not an input"):
+        s.step({**batch(0), "z": DATA["x"][0]})
+    s.step({"x": DATA["x"][0].astype(np.float64), "y": DATA["y"][0].astype(np.int32)})
+    assert s.step_count == 1
+
+
+@pytest.mark.parametrize("make, error, words", [
+    (lambda: TrainingSession(mlp_model(), loss="nope"), onnxgrad.UnknownNameError, "not an output"),
+    (lambda: TrainingSession(mlp_model(), loss=ce(), frozen=["W"]), onnxgrad.UnknownNameError, "not float"),
+    (lambda: TrainingSession(mlp_model(), loss=ce(), frozen=["0.weight", "0.bias", "2.weight", "2.bias"]),
+     onnxgrad.OnnxGradError, "nothing to train"),
+    (lambda: TrainingSession(mlp_model(), loss=ce(), on_nonfinite="ignore"), onnxgrad.OnnxGradError, "on_nonfinite"),
+    (lambda: TrainingSession(mlp_model(), loss=ce(), accumulation_steps=0), onnxgrad.OnnxGradError, "positive"),
+    (lambda: optim.SGD(lr=-1), optim.OptimizerError, "learning rate"),
+    (lambda: optim.SGD(nesterov=True), optim.OptimizerError, "nesterov"),
+    (lambda: optim.Adam(betas=(0.9, 1.0)), optim.OptimizerError, "betas"),
+    (lambda: optim.from_config({"type": "Lion"}), optim.OptimizerError, "unknown optimizer"),
+])
+def test_user_errors(make, error, words):
+    with pytest.raises(error, match=words):
+        make()
+
+
+def test_optimizer_config_round_trips():
+    for opt in (optim.SGD(lr=0.1, momentum=0.9, nesterov=True), optim.Adam(betas=(0.8, 0.9)), optim.AdamW(),
+                optim.Adagrad(lr_decay=0.1, initial_accumulator_value=0.5)):
+        assert optim.from_config(json.loads(json.dumps(opt.config()))) == opt
+    assert optim.AdamW().weight_decay == 0.01 and optim.Adam().weight_decay == 0.0
+    assert optim.SGD().lr == 1e-3 and optim.Adagrad().lr == 1e-2 and optim.Adagrad().eps == 1e-10
+
+
+def test_double_precision_model_trains():
+    m = mlp_model()
+    for init in m.graph.initializer:
+        init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init).astype(np.float64), init.name))
+    for vi in list(m.graph.input) + list(m.graph.output):
+        vi.type.tensor_type.elem_type = TensorProto.DOUBLE
+    del m.graph.value_info[:]
+    s = TrainingSession(m, loss=losses.MSELoss(output="logits", target="t"), optimizer=optim.Adam(lr=1e-2))
+    t = np.eye(3)[DATA["y"][0]]
+    first = s.step({"x": DATA["x"][0], "t": t})
+    for _ in range(20):
+        last = s.step({"x": DATA["x"][0], "t": t})
+    assert last < first
+    assert s.parameters()["0.weight"].dtype == np.float64
+
+
+# -- NaN / Inf -------------------------------------------------------------------------------------------
+def poisoned():
+    x = DATA["x"][0].copy()
+    x[3, 2] = np.nan
+    return {"x": x, "y": DATA["y"][0]}
+
+
+def test_nonfinite_step_raises_and_applies_nothing():
+    s = session(optim.Adam(lr=1e-2))
+    s.step(batch(0))
+    before, state = s.parameters(), s.optimizer_state()
+    with pytest.raises(NonFiniteError, match="not applied"):
+        s.step(poisoned())
+    assert s.step_count == 1
+    for name, value in s.parameters().items():
+        np.testing.assert_array_equal(value, before[name])
+    for p, st in s.optimizer_state().items():
+        for k, v in st.items():
+            np.testing.assert_array_equal(v, state[p][k])
+    s.step(batch(1))
+    assert s.step_count == 2 and all(np.isfinite(v).all() for v in s.parameters().values())
+
+
+def test_nonfinite_step_can_be_skipped():
+    s = session(optim.SGD(lr=0.1, momentum=0.9), on_nonfinite="skip")
+    reference = session(optim.SGD(lr=0.1, momentum=0.9))
+    s.step(batch(0))
+    reference.step(batch(0))
+    with pytest.warns(NonFiniteWarning, match="skipped"):
+        loss = s.step(poisoned())
+    assert np.isnan(loss) and s.skipped_steps == 1 and s.step_count == 1
+    s.step(batch(1))
+    reference.step(batch(1))
+    for name, value in s.parameters().items():
+        np.testing.assert_array_equal(value, reference.parameters()[name])
+
+
+def test_nonfinite_micro_batch_skips_the_whole_accumulated_update():
+    s = session(optim.SGD(lr=0.1), accumulation_steps=2, on_nonfinite="skip")
+    before = s.parameters()
+    with pytest.warns(NonFiniteWarning):
+        s.step(poisoned())
+        s.step(batch(1))
+    assert s.step_count == 0 and s.skipped_steps == 1
+    for name, value in s.parameters().items():
+        np.testing.assert_array_equal(value, before[name])
+    # the next window starts clean
+    s.step(batch(0))
+    s.step(batch(1))
+    assert s.step_count == 1
+    strict = session(optim.SGD(lr=0.1), accumulation_steps=2)
+    with pytest.raises(NonFiniteError, match="not accumulated"):
+        strict.step(poisoned())
+
+
+# -- checkpoints -----------------------------------------------------------------------------------------
+def trained(optimizer=None, steps=3, **kw):
+    s = session(optimizer or optim.AdamW(lr=1e-2), **kw)
+    for step in range(steps):
+        s.step(batch(step))
+    return s
+
+
+@pytest.mark.parametrize("optimizer", [optim.AdamW(lr=1e-2), optim.SGD(lr=0.1, momentum=0.9, dampening=0.1),
+                                       optim.Adagrad(lr=0.1, lr_decay=0.01)], ids=lambda o: type(o).__name__)
+def test_resume_gives_bitwise_identical_steps(tmp_path, optimizer):
+    s = trained(optimizer)
+    s.lr = 0.02
+    path = tmp_path / "ckpt.onnxgrad"
+    s.save(path)
+    expected_losses = [s.step(batch(step)) for step in (3, 4)]
+    expected = s.parameters()
+    r = TrainingSession.load(path)
+    assert r.step_count == 3 and r.lr == 0.02 and r.optimizer == s.optimizer
+    assert [r.step(batch(step)) for step in (3, 4)] == expected_losses
+    for name, value in r.parameters().items():
+        np.testing.assert_array_equal(value, expected[name])
+
+
+def test_resume_mid_accumulation(tmp_path):
+    s = trained(optim.SGD(lr=0.1, momentum=0.9), steps=3, accumulation_steps=2)   # one micro-batch pending
+    path = tmp_path / "ckpt"
+    s.save(path)
+    s.step(batch(3))
+    expected = s.parameters()
+    r = TrainingSession.load(path)
+    r.step(batch(3))
+    assert r.step_count == s.step_count == 2
+    for name, value in r.parameters().items():
+        np.testing.assert_array_equal(value, expected[name])
+
+
+def test_restore_into_a_session(tmp_path):
+    s = trained()
+    path = tmp_path / "ckpt"
+    s.save(path)
+    fresh = session()
+    fresh.restore(path)
+    assert fresh.step_count == 3
+    for name, value in fresh.parameters().items():
+        np.testing.assert_array_equal(value, s.parameters()[name])
+
+
+def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    s = trained()
+    path = tmp_path / "ckpt"
+    s.save(path)
+    saved = path.read_bytes()
+    s.step(batch(3))
+    calls = []
+
+    def failing_write_array(f, arr, **kw):
+        calls.append(1)
+        if len(calls) == 3:
+            f.write(b"half an array")
+            raise OSError("disk full")
+        return real(f, arr, **kw)
+
+    real = np.lib.format.write_array
+    monkeypatch.setattr(np.lib.format, "write_array", failing_write_array)
+    with pytest.raises(OSError, match="disk full"):
+        s.save(path)
+    assert path.read_bytes() == saved
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]           # the temporary file is gone
+    assert TrainingSession.load(path).step_count == 3
+
+
+def test_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    script = textwrap.dedent(f"""
+        import os, sys, numpy as np, onnx
+        sys.path.insert(0, {str(ROOT / 'tests')!r})
+        from test_training import trained
+        s = trained()
+        s.save({str(path)!r})
+        print("saved", flush=True)
+        s.step({{"x": np.ones((16, 8), np.float32), "y": np.zeros(16, np.int64)}})
+        real, calls = np.lib.format.write_array, []
+        def dying(f, arr, **kw):
+            calls.append(1)
+            if len(calls) == 4:
+                f.write(b"partial")
+                f.flush()
+                os._exit(9)             # killed mid-write: no cleanup, no exception handling
+            return real(f, arr, **kw)
+        np.lib.format.write_array = dying
+        s.save({str(path)!r})
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 9 and "saved" in r.stdout, r.stderr
+    leftovers = [f for f in os.listdir(tmp_path) if f != "ckpt"]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".ckpt.")    # the abandoned temporary file
+    s = TrainingSession.load(path)
+    assert s.step_count == 3
+    expected = trained().parameters()
+    for name, value in s.parameters().items():
+        np.testing.assert_array_equal(value, expected[name])
+
+
+def test_corrupt_checkpoints_raise_a_clear_error(tmp_path):
+    s = trained()
+    path = tmp_path / "ckpt"
+    s.save(path)
+    data = path.read_bytes()
+    truncated = tmp_path / "truncated"
+    truncated.write_bytes(data[: len(data) // 2])
+    flipped = tmp_path / "flipped"
+    damaged = bytearray(data)
+    at = data.index(b"arrays/0.npy") + 200            # inside the first array's data
+    damaged[at] ^= 0xFF
+    flipped.write_bytes(bytes(damaged))
+    foreign = tmp_path / "foreign"
+    foreign.write_bytes(b"not a checkpoint at all")
+    for bad in (truncated, flipped, foreign):
+        with pytest.raises(CorruptCheckpointError):
+            TrainingSession.load(bad)
+    with pytest.raises(onnxgrad.OnnxGradError, match="no checkpoint"):
+        TrainingSession.load(tmp_path / "missing")
+
+
+def test_mismatched_checkpoint_raises(tmp_path):
+    path = tmp_path / "ckpt"
+    trained().save(path)
+    with pytest.raises(CheckpointMismatchError, match="optimizer"):
+        session(optim.SGD(lr=0.1)).restore(path)
+    other = mlp_model()
+    w = next(i for i in other.graph.initializer if i.name == "0.bias")
+    w.CopyFrom(numpy_helper.from_array(np.zeros(16, np.float32), "0.bias"))
+    frozen_other = TrainingSession(other, loss=ce(), optimizer=optim.AdamW(lr=1e-2), frozen=["0.bias"])
+    with pytest.raises(CheckpointMismatchError, match="different model"):
+        frozen_other.restore(path)
+    with pytest.raises(CheckpointMismatchError, match="accumulates"):
+        session(accumulation_steps=2).restore(path)
+
+
+# -- the artifacts on their own (what the command line writes) -------------------------------------------------
+def run_guarded(train, feeds_per_step, lr):
+    """Drive the training model with plain onnxruntime, feeding the .next outputs back."""
+    spec = artifacts.TrainingSpec.of(train)
+    sess = ort.InferenceSession(train.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    carried = {}
+    results = []
+    for step, feeds in enumerate(feeds_per_step, start=1):
+        out = dict(zip(names, sess.run(None, {**feeds, spec.lr: np.array(lr, np.float32), spec.step: np.array(step, np.int64),
+                                              **carried})))
+        carried = {p: out[o] for p, o in spec.params.items()}
+        carried.update({i: out[o] for st in spec.state.values() for i, o in st.values()})
+        results.append(out)
+    return results, carried
+
+
+def test_training_model_runs_in_plain_onnxruntime_and_matches_the_session():
+    art = artifacts.build(mlp_model(), ce(), optim.AdamW(lr=1e-2))
+    onnx.checker.check_model(art.train, full_check=True)
+    onnx.checker.check_model(art.eval, full_check=True)
+    results, carried = run_guarded(art.train, [batch(i) for i in range(3)], 1e-2)
+    s = session(optim.AdamW(lr=1e-2))
+    expected = [s.step(batch(i)) for i in range(3)]
+    np.testing.assert_allclose([float(r["loss"]) for r in results], expected, rtol=0, atol=1e-6)
+    for name, value in s.parameters().items():
+        np.testing.assert_allclose(carried[name], value, rtol=0, atol=1e-6)
+    # eval model: parameters are inputs with their initial values as defaults
+    ev = ort.InferenceSession(art.eval.SerializeToString(), providers=["CPUExecutionProvider"])
+    fed = ev.run(None, {"x": DATA["x"][0], **{p: carried[p] for p in art.spec.params}})[0]
+    np.testing.assert_allclose(fed, s.eval({"x": DATA["x"][0]})["logits"], rtol=1e-5, atol=1e-6)
+
+
+def test_guarded_training_model_keeps_old_values_on_nan():
+    art = artifacts.build(mlp_model(), ce(), optim.SGD(lr=0.1, momentum=0.9))
+    results, carried = run_guarded(art.train, [poisoned()], 0.1)
+    assert not bool(results[0]["finite"])
+    inits = {i.name: numpy_helper.to_array(i) for i in art.train.graph.initializer}
+    for p in art.spec.params:
+        np.testing.assert_array_equal(carried[p], inits[p])
+
+
+def test_training_model_lists_its_inputs_and_outputs():
+    art = artifacts.build(mlp_model(), ce(), optim.Adam(), clip_grad_norm=1.0, accumulation_steps=2)
+    spec = artifacts.TrainingSpec.of(art.train)
+    inputs = [i.name for i in art.train.graph.input]
+    outputs = [o.name for o in art.train.graph.output]
+    assert inputs[:2] == ["x", "y"] and spec.lr in inputs and spec.step in inputs
+    assert outputs[:3] == ["loss", "finite", "grad_norm"]
+    for p, out in spec.params.items():
+        assert p in inputs and out == f"{p}.next" in outputs
+        for s, (i, o) in spec.state[p].items():
+            assert i == f"{p}.{s}" and i in inputs and o == f"{i}.next" in outputs
+        assert spec.accumulators[p][0] in inputs
+        assert spec.accumulators[p][1] in [o.name for o in art.accumulate.graph.output]
+    assert all(vi.doc_string for vi in art.train.graph.output)
+    onnx.checker.check_model(art.accumulate, full_check=True)
+    # the guarded accumulation model keeps the old sums on a non-finite micro-batch
+    sess = ort.InferenceSession(art.accumulate.SerializeToString(), providers=["CPUExecutionProvider"])
+    acc = {i: np.full(art.initial_params[p].shape, 0.5, np.float32) for p, (i, _) in spec.accumulators.items()}
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {**poisoned(), **acc})))
+    assert not out["finite"]
+    for p, (i, o) in spec.accumulators.items():
+        np.testing.assert_array_equal(out[o], acc[i])
+    assert spec.clip_grad_norm == 1.0 and spec.accumulation_steps == 2
+    assert all(n.domain in ("", "ai.onnx") for n in art.train.graph.node)
+
+
+# -- command line ------------------------------------------------------------------------------------------------
+def test_cli_writes_training_and_eval_models(tmp_path, capsys):
+    model = tmp_path / "mlp.onnx"
+    onnx.save(mlp_model(), model)
+    rc = cli_main([str(model), "--loss-fn", "cross_entropy", "--target", "y", "--optimizer", "adamw",
+                   "--lr", "0.01", "--clip-grad-norm", "5"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    train = onnx.load(tmp_path / "mlp.train.onnx")
+    assert (tmp_path / "mlp.eval.onnx").exists()
+    assert "lr: float32 []" in out and "0.weight.next: float32 [16, 8]" in out and "finite: bool []" in out
+    spec = artifacts.TrainingSpec.of(train)
+    assert spec.optimizer["type"] == "AdamW" and spec.optimizer["lr"] == 0.01
+    results, _ = run_guarded(train, [batch(i) for i in range(3)], 0.01)
+    s = TrainingSession(mlp_model(), loss=ce(), optimizer=optim.AdamW(lr=0.01), clip_grad_norm=5)
+    np.testing.assert_allclose([float(r["loss"]) for r in results], [s.step(batch(i)) for i in range(3)],
+                               rtol=0, atol=1e-6)
+
+
+def test_cli_loss_fn_without_optimizer_writes_the_gradient_model(tmp_path, capsys):
+    model = tmp_path / "mlp.onnx"
+    onnx.save(mlp_model(), model)
+    assert cli_main([str(model), "--loss-fn", "mse", "--target", "t"]) == 0
+    gm = onnx.load(tmp_path / "mlp.grad.onnx")
+    assert [o.name for o in gm.graph.output] == ["logits", "loss", "0.weight_grad", "0.bias_grad",
+                                                "2.weight_grad", "2.bias_grad"]
+
+
+def test_cli_training_flags_and_errors(tmp_path, capsys):
+    model = tmp_path / "mlp.onnx"
+    onnx.save(mlp_model(), model)
+    assert cli_main([str(model), "--loss-fn", "cross_entropy", "--target", "y", "--optimizer", "sgd",
+                     "--lr", "0.1", "--momentum", "0.9", "--accumulation-steps", "2", "--freeze", "0.bias",
+                     "-o", str(tmp_path / "t.train.onnx")]) == 0
+    assert (tmp_path / "t.accumulate.onnx").exists()
+    spec = artifacts.TrainingSpec.of(onnx.load(tmp_path / "t.train.onnx"))
+    assert spec.frozen == ["0.bias"] and spec.optimizer["momentum"] == 0.9 and spec.accumulation_steps == 2
+    capsys.readouterr()
+    assert cli_main([str(model), "--loss-fn", "cross_entropy", "--optimizer", "sgd", "--betas", "0.9", "0.99"]) == 2
+    assert "takes no --betas" in capsys.readouterr().err
+    assert cli_main([str(model), "--optimizer", "adam"]) == 2          # no loss output named "loss"
+    assert "loss 'loss' is not an output" in capsys.readouterr().err
+    r = subprocess.run([sys.executable, "-m", "onnxgrad", "--help"], capture_output=True, text=True, timeout=60)
+    assert "--optimizer" in r.stdout and "--loss-fn" in r.stdout
+
+
+# -- devices ---------------------------------------------------------------------------------------------------
+def test_default_providers_follow_the_installed_runtime():
+    s = session()
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        assert s.device == "cpu" and s._train.get_providers() == ["CPUExecutionProvider"]
+
+
+def _cuda_usable():
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False
+    try:
+        sess = TrainingSession(mlp_model(), loss=ce(), providers=["CUDAExecutionProvider"])
+    except Exception:
+        return False
+    return sess.device == "cuda"
+
+
+@pytest.mark.skipif(not _cuda_usable(), reason="needs onnxruntime-gpu and a CUDA GPU")
+def test_cuda_training_matches_cpu():
+    gpu = TrainingSession(mlp_model(), loss=ce(), optimizer=optim.AdamW(lr=1e-2),
+                          providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    cpu = session(optim.AdamW(lr=1e-2))
+    assert gpu.device == "cuda"
+    assert all(v.device_name() == "cuda" for v in gpu._cur.values())
+    for step in range(5):
+        np.testing.assert_allclose(gpu.step(batch(step)), cpu.step(batch(step)), rtol=1e-5)
+    for name, value in gpu.parameters().items():
+        np.testing.assert_allclose(value, cpu.parameters()[name], rtol=1e-4, atol=1e-6)
+
+
+# -- the example ---------------------------------------------------------------------------------------------------
+def test_digits_example_reaches_95_percent(tmp_path):
+    exported = tmp_path / "digits.onnx"
+    r = subprocess.run([sys.executable, str(ROOT / "examples" / "train_digits.py"), "--export", str(exported)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("test accuracy: ")]
+    assert line, r.stdout
+    assert float(line[-1].split(": ")[1]) >= 0.95
+    assert "training" in r.stderr           # the tqdm progress bar
+    onnx.checker.check_model(onnx.load(exported), full_check=True)
