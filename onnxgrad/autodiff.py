@@ -199,7 +199,7 @@ class _Pass:
             dys = [self._gradient(o) if o in self.requires else None for o in node.output]
             if all(d is None for d in dys):
                 continue
-            b = root.scoped(f"{node.name}/grad", f"gradient of node '{node.name}' ({node.op_type})")
+            b = root.scoped(f"{node.name}/grad", f"gradient of node '{node.name}' ({node.op_type})", node.op_type)
             grads = rule.fn(Node(node, b, dys, needed))
             self._collect(node, rule, b, grads, needed)
 

@@ -22,9 +22,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .builder import FLOAT_TYPES
-from .check import Runner, check
+from .check import Runner, check, is_float_array, to_float64
 from .model import RUNTIME_MAX_OPSET, has_subgraph, load, opset_of
-from .registry import get_rule, get_schema
+from .registry import NON_DIFFERENTIABLE, get_rule, get_schema
 
 # Worst relative error accepted, by the precision the gradient graph computes in.
 TOLERANCE = {"float64": 1e-5, "float32": 2e-3, "float16": 1e-2, "bfloat16": 5e-2}
@@ -41,6 +41,8 @@ DOMAINS: dict[str, dict[int, tuple[float, float]]] = {
     "LpNormalization": {0: _POSITIVE}, "Det": {},
 }
 # Ops whose forward is random: central differences of a random function prove nothing.
+NAN_INSIDE = ("the forward computes NaN inside and masks it later: reverse mode propagates it (0 * NaN), "
+              "as PyTorch's autograd does")
 RANDOM_OPS = {"Dropout", "RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
               "Bernoulli", "Multinomial"}
 
@@ -52,6 +54,7 @@ class BackendCase:
     model: onnx.ModelProto
     inputs: list[np.ndarray]          # values of the graph inputs, in order
     node_inputs: list[str]            # the tested node's input names ("" for an empty optional input)
+    node_outputs: list[str]
 
     @property
     def expanded(self) -> bool:
@@ -62,7 +65,7 @@ class BackendCase:
 class Outcome:
     name: str
     op_type: str
-    status: str           # "pass", "fail" or "skip"
+    status: str           # "pass", "fail", "skip" (not checkable) or "declined" (the rule refuses, saying why)
     detail: str = ""
     worst: float = 0.0
 
@@ -84,7 +87,8 @@ def all_cases() -> tuple[BackendCase, ...]:
         node = base.model.graph.node[0]
         if node.domain not in ("", "ai.onnx"):
             continue
-        out.append(BackendCase(tc.name, node.op_type, tc.model, list(tc.data_sets[0][0]), list(node.input)))
+        out.append(BackendCase(tc.name, node.op_type, tc.model, list(tc.data_sets[0][0]), list(node.input),
+                               list(node.output)))
     return tuple(out)
 
 
@@ -124,7 +128,12 @@ def _differentiable_inputs(case: BackendCase, model: onnx.ModelProto) -> list[st
 
 
 def run_case(case: BackendCase, seed: int = 0) -> Outcome:
-    """Check one backend case; 'skip' says why a case cannot be checked."""
+    """Check one backend case; 'skip' says why a case cannot be checked.
+
+    Integer inputs (shapes, axes, indices) become constants, as exporters write them.
+    Gradients computed in float16/bfloat16 are checked through the same gradient graph
+    in float64 (the rules' math, tightly), after a run in the case's own precision.
+    """
     import onnxgrad
 
     rule = get_rule(case.op_type)
@@ -137,35 +146,131 @@ def run_case(case: BackendCase, seed: int = 0) -> Outcome:
     if control_flow:
         return Outcome(case.name, case.op_type, "skip", f"control flow ({', '.join(control_flow)}) has no rule")
     wrt = _differentiable_inputs(case, model)
-    floats_out = [o.name for o in model.graph.output if o.type.tensor_type.elem_type in FLOAT_TYPES]
-    if not wrt or not floats_out:
+    of = _differentiable_outputs(case, model)
+    if not wrt or not of:
         return Outcome(case.name, case.op_type, "skip", "no float input or output to differentiate")
-    rng = np.random.default_rng(seed)
-    domains = DOMAINS.get(case.op_type, {})
-    feeds = {}
-    for k, (vi, value) in enumerate(zip(model.graph.input, case.inputs)):
-        # some cases store inputs as object arrays: give them the declared type
-        if isinstance(value, onnx.TensorProto):
-            value = numpy_helper.to_array(value)
-        value = np.asarray(value, helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))
-        if vi.name in wrt:
-            low, high = domains.get(k, (-1.5, 1.5))
-            value = rng.uniform(low, high, value.shape).astype(value.dtype)
-        feeds[vi.name] = value
-    forward = Runner(model)(feeds, floats_out)
-    if not all(np.isfinite(v).all() for v in forward.values()):
+    feeds = _inputs(case, model, wrt, np.random.default_rng(seed))
+    model = _integers_as_constants(model, feeds)
+    constants = {i.name for i in model.graph.initializer}
+    feeds = {k: v for k, v in feeds.items() if k not in constants}
+    forward = Runner(model)(feeds, of)
+    if not all(np.isfinite(np.asarray(v, np.float64)).all() for v in forward.values()):
         return Outcome(case.name, case.op_type, "skip", "forward is not finite at the case's inputs")
+    disagreement = _runtimes_disagree(model, feeds, forward)
+    if disagreement:
+        return Outcome(case.name, case.op_type, "skip", disagreement)
+    low_precision = {feeds[w].dtype.name for w in wrt} | {_np_name(o) for o in model.graph.output if o.name in of}
+    low_precision &= {"float16", "bfloat16"}
     try:
-        gm = onnxgrad.grad(model, wrt=wrt, of=floats_out, allow_unused=True)
-        result = check(model, gm, feeds, rng=seed, max_elements=48, directions=3)
+        gm = onnxgrad.grad(model, wrt=wrt, of=of, allow_unused=True)
+        if low_precision:
+            native = Runner(gm)({**feeds, **_seeds(gm, forward)})
+            if not all(np.isfinite(np.asarray(v, np.float64)).all() for v in native.values()):
+                if _nan_inside(model, feeds):
+                    return Outcome(case.name, case.op_type, "skip", NAN_INSIDE)
+                return Outcome(case.name, case.op_type, "fail", f"non-finite gradient in {sorted(low_precision)}")
+            result = check(model, gm, feeds, rng=seed, max_elements=48, directions=3, analytic_run=_run_float64)
+        else:
+            result = check(model, gm, feeds, rng=seed, max_elements=48, directions=3)
     except onnxgrad.UnsupportedOpError as e:
+        if set(e.ops) == {case.op_type} and case.op_type in e.reasons:
+            # the op's own rule declines this configuration, and says why
+            return Outcome(case.name, case.op_type, "declined", e.reasons[case.op_type])
         return Outcome(case.name, case.op_type, "fail", f"unsupported: {e}")
     except Exception as e:  # a crash in a rule or a runtime is a failure, with its message
         return Outcome(case.name, case.op_type, "fail", f"{type(e).__name__}: {str(e)[:300]}")
-    tolerance = max(TOLERANCE.get(feeds[w].dtype.name, TOLERANCE["float32"]) for w in wrt)
+    if any(np.isnan(a).any() for a in result.analytic.values()) and _nan_inside(model, feeds):
+        return Outcome(case.name, case.op_type, "skip", NAN_INSIDE)
+    # in float64, a low-precision graph still carries its constants rounded to that precision
+    precisions = low_precision or {feeds[w].dtype.name for w in wrt}
+    tolerance = max(TOLERANCE.get(p, TOLERANCE["float32"]) for p in precisions)
     if not result.ok(tolerance):
         return Outcome(case.name, case.op_type, "fail", f"errors {result.errors}", result.worst)
     return Outcome(case.name, case.op_type, "pass", result.backend, result.worst)
+
+
+def _runtimes_disagree(model: onnx.ModelProto, feeds: dict, forward: dict) -> str:
+    """Why central differences cannot judge this case, if onnxruntime and onnx.reference compute different
+    forwards here and the float64 truth would come from onnx.reference (no float64 kernel in onnxruntime)."""
+    truth = Runner(to_float64(model))
+    if truth.backend != "reference":
+        return ""
+    reference = Runner(model, prefer="reference")(feeds, list(forward))
+    for name, value in forward.items():
+        a, b = np.asarray(value, np.float64), np.asarray(reference[name], np.float64)
+        if a.shape != b.shape or np.max(np.abs(a - b), initial=0.0) > 1e-2 * (1 + np.max(np.abs(a), initial=0.0)):
+            diff = np.max(np.abs(a - b)) if a.shape == b.shape else f"shapes {a.shape} and {b.shape}"
+            return (f"onnxruntime and onnx.reference disagree on this forward (output '{name}', max difference "
+                    f"{diff}); the rule follows onnxruntime and the float64 truth would come from onnx.reference")
+    return ""
+
+
+def _differentiable_outputs(case: BackendCase, model: onnx.ModelProto) -> list[str]:
+    """Float outputs, except those the op's schema tags NonDifferentiable (BatchNorm's running stats)."""
+    schema = get_schema(case.op_type, opset_of(model))
+    params = list(schema.outputs) if schema is not None else []
+    stopped = {name for k, name in enumerate(case.node_outputs)
+               if params and params[min(k, len(params) - 1)].differentiation_category == NON_DIFFERENTIABLE}
+    return [o.name for o in model.graph.output
+            if o.type.tensor_type.elem_type in FLOAT_TYPES and o.name not in stopped]
+
+
+def _inputs(case: BackendCase, model: onnx.ModelProto, wrt: list[str], rng) -> dict[str, np.ndarray]:
+    """The case's inputs, floats to differentiate redrawn from the op's smooth domain."""
+    domains = DOMAINS.get(case.op_type, {})
+    positions = {name: k for k, name in enumerate(case.node_inputs) if name}
+    feeds = {}
+    for vi, value in zip(model.graph.input, case.inputs):
+        if isinstance(value, onnx.TensorProto):
+            value = numpy_helper.to_array(value)
+        # some cases store inputs as object arrays: give them the declared type
+        value = np.asarray(value, helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type))
+        if vi.name in wrt:
+            low, high = domains.get(positions.get(vi.name, -1), (-1.5, 1.5))
+            value = rng.uniform(low, high, value.shape).astype(value.dtype)
+        feeds[vi.name] = value
+    return feeds
+
+
+def _integers_as_constants(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> onnx.ModelProto:
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    keep = []
+    for vi in m.graph.input:
+        value = feeds.get(vi.name)
+        if value is not None and value.dtype.kind in "iub":
+            m.graph.initializer.append(numpy_helper.from_array(value, vi.name))
+        else:
+            keep.append(vi)
+    del m.graph.input[:]
+    m.graph.input.extend(keep)
+    return m
+
+
+def _np_name(vi: onnx.ValueInfoProto) -> str:
+    return np.dtype(helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)).name
+
+
+def _seeds(gm: onnx.ModelProto, forward: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    from .check import gradient_spec
+
+    return {seed: np.ones_like(forward[o]) for o, seed in gradient_spec(gm)["seeds"].items()}
+
+
+def _run_float64(gm: onnx.ModelProto, feeds: dict) -> dict:
+    feeds = {k: np.asarray(v, np.float64) if is_float_array(v) else v for k, v in feeds.items()}
+    return Runner(to_float64(gm))(feeds)
+
+
+def _nan_inside(model: onnx.ModelProto, feeds: dict) -> bool:
+    """Whether some intermediate tensor of the forward is NaN at these inputs."""
+    names = [o for node in model.graph.node for o in node.output if o]
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    del m.graph.output[:]
+    m.graph.output.extend(helper.make_empty_tensor_value_info(o) for o in names)
+    values = Runner(m, prefer="reference")(feeds)
+    return any(is_float_array(v) and np.isnan(np.asarray(v, np.float64)).any() for v in values.values())
 
 
 def _is_random(case: BackendCase) -> bool:

@@ -142,8 +142,10 @@ class Builder:
         prefix: str = "onnxgrad",
         doc: str = "",
         constants: dict[str, np.ndarray] | None = None,
+        op_type: str = "",
     ):
         self.opset = opset
+        self.op_type = op_type
         self.constants = constants if constants is not None else {}
         self.names = names
         self.infos = infos
@@ -152,9 +154,9 @@ class Builder:
         self.nodes: list[onnx.NodeProto] = []
         self.op = _Ops(self)
 
-    def scoped(self, prefix: str, doc: str) -> "Builder":
-        """A builder writing into the same node list under another name prefix."""
-        b = Builder(self.opset, self.names, self.infos, prefix, doc, self.constants)
+    def scoped(self, prefix: str, doc: str, op_type: str = "") -> "Builder":
+        """A builder writing into the same node list under another name prefix (for a node of ``op_type``)."""
+        b = Builder(self.opset, self.names, self.infos, prefix, doc, self.constants, op_type)
         b.nodes = self.nodes
         return b
 
@@ -235,10 +237,11 @@ class Builder:
         if like.dtype is not None:
             return self.emit("Cast", [v], to=like.dtype)
         if self.opset < 15:
-            from .errors import OnnxGradError
+            from .errors import UnsupportedOpError
 
-            raise OnnxGradError(f"{self.prefix}: the element type of '{like.name}' is unknown and CastLike "
-                                "needs opset 15; declare the model's input and output types")
+            op, node = self.op_type or "onnxgrad", self.prefix.split("/")[0]
+            raise UnsupportedOpError({op: node}, {op: f"the element type of '{like.name}' is unknown and "
+                                                      "CastLike needs opset 15; declare the model's types"})
         return self.emit("CastLike", [v, like])
 
     def lift(self, x: Any, like: Var | None = None) -> Var:

@@ -110,6 +110,7 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
 # Attributes naming an element type: Cast's to, the Random ops' dtype, the precision
 # LayerNormalization and Attention compute their statistics and softmax in.
 _TYPE_ATTRIBUTES = frozenset({"to", "dtype", "stash_type", "softmax_precision"})
+_STASHING = frozenset({"LayerNormalization", "GroupNormalization", "RMSNormalization"})
 
 
 def _double_tensor(t: onnx.TensorProto) -> onnx.TensorProto:
@@ -126,6 +127,8 @@ def _node_to_double(node: onnx.NodeProto) -> None:
         elif a.type == onnx.AttributeProto.GRAPH:
             for n in a.g.node:
                 _node_to_double(n)
+    if node.op_type in _STASHING and not any(a.name == "stash_type" for a in node.attribute):
+        node.attribute.append(helper.make_attribute("stash_type", TensorProto.DOUBLE))  # default: float32
     if node.op_type == "Constant" and node.attribute[0].name in ("value_float", "value_floats"):
         a = node.attribute[0]
         value = np.array(a.f if a.name == "value_float" else list(a.floats), np.float64)
@@ -164,6 +167,11 @@ def _with_outputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:
         if name not in have:
             m.graph.output.append(helper.make_empty_tensor_value_info(name))
     return m
+
+
+def is_float_array(v: np.ndarray) -> bool:
+    """float16/32/64, and bfloat16 (an ml_dtypes type numpy does not count as kind 'f')."""
+    return np.asarray(v).dtype.kind == "f" or np.asarray(v).dtype.name == "bfloat16"
 
 
 # -- inputs ---------------------------------------------------------------------------
@@ -237,19 +245,20 @@ def check(
     feeds = dict(inputs) if inputs is not None else random_inputs(model, rng)
 
     model64 = to_float64(model)
-    feeds64 = {k: (v.astype(np.float64) if v.dtype.kind == "f" else v) for k, v in feeds.items()}
+    feeds64 = {k: (v.astype(np.float64) if is_float_array(v) else v) for k, v in feeds.items()}
     targets = [loss] if loss else list(of)
     inits = {i.name: numpy_helper.to_array(i) for i in model64.graph.initializer}
     intermediates = [w for w in wrt if w not in feeds64 and w not in inits]
     base = Runner(_with_outputs(model64, intermediates + targets))(feeds64, intermediates + targets)
     start = {w: feeds64[w] if w in feeds64 else inits[w] if w in inits else base[w] for w in wrt}
-    seeds64 = {o: rng.standard_normal(np.shape(base[o])) for o in of}
-
     gfeeds = dict(feeds)
     out_dtype = {o.name: o.type.tensor_type.elem_type for o in grad_model.graph.output}
+    seeds64 = {}
     for o in of:
         np_type = helper.tensor_dtype_to_np_dtype(out_dtype.get(o, TensorProto.FLOAT))
-        gfeeds[spec["seeds"][o]] = seeds64[o].astype(np_type)
+        seed = rng.standard_normal(np.shape(base[o])).astype(np_type)   # in the output's precision,
+        gfeeds[spec["seeds"][o]] = seed
+        seeds64[o] = seed.astype(np.float64)                            # and the same values for the truth
     grad_names = [spec["gradients"][w] for w in wrt]
     if analytic_run is None:
         values = Runner(grad_model)(gfeeds, grad_names)

@@ -119,8 +119,6 @@ def _shape_text(vi) -> str:
 
 
 def run_grad(args: argparse.Namespace) -> int:
-    import onnx
-
     from . import check as C
     from .autodiff import grad
     from .model import load

@@ -30,7 +30,8 @@ class UnsupportedOpError(OnnxGradError):
 
     def __init__(self, ops: dict[str, str], reason: dict[str, str] | None = None):
         self.ops = dict(ops)
-        reason = reason or {}
+        self.reasons = dict(reason or {})
+        reason = self.reasons
         parts = []
         for op, node in sorted(self.ops.items()):
             why = f" ({reason[op]})" if op in reason else ""

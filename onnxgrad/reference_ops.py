@@ -264,5 +264,56 @@ class LinearAttention(OpRun):
         return linear_attention(*inputs, **attrs)
 
 
-KERNELS = [Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState, LinearAttention,
+class MaxUnpool(OpRun):
+    """onnx.reference ignores output_shape when it scatters (it fills the default shape)."""
+
+    op_domain = ""
+
+    def _run(self, x, indices, output_shape=None, kernel_shape=None, pads=None, strides=None):
+        spatial = x.ndim - 2
+        pads = list(pads) if pads else [0] * (2 * spatial)
+        strides = list(strides) if strides else [1] * spatial
+        if output_shape is not None:
+            shape = [int(v) for v in output_shape]
+        else:
+            shape = list(x.shape[:2]) + [
+                (x.shape[2 + i] - 1) * strides[i] + kernel_shape[i] - pads[i] - pads[spatial + i]
+                for i in range(spatial)]
+        y = np.zeros(int(np.prod(shape)), x.dtype)
+        y[indices.reshape(-1)] = x.reshape(-1)
+        return (y.reshape(shape),)
+
+
+class MeanVarianceNormalization(OpRun):
+    """onnx.reference runs the function body, whose epsilon is a float32 constant: not float64-clean."""
+
+    op_domain = ""
+
+    def _run(self, x, axes=None):
+        axes = tuple(axes) if axes is not None else (0, 2, 3)
+        mean = x.mean(axis=axes, keepdims=True)
+        var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+        return (((x - mean) / np.sqrt(var + 1e-9)).astype(x.dtype),)
+
+
+class LayerNormalization(OpRun):
+    """onnx.reference refuses stash_type other than float32; the float64 check needs double statistics."""
+
+    op_domain = ""
+
+    def _run(self, x, scale, bias=None, axis=None, epsilon=None, stash_type=None):
+        axis = -1 if axis is None else axis
+        axis = axis % x.ndim
+        eps = 1e-5 if epsilon is None else epsilon
+        axes = tuple(range(axis, x.ndim))
+        mean = x.mean(axis=axes, keepdims=True)
+        inv = 1.0 / np.sqrt(((x - mean) ** 2).mean(axis=axes, keepdims=True) + eps)
+        y = (x - mean) * inv * scale
+        if bias is not None:
+            y = y + bias
+        outputs = (y.astype(x.dtype), mean.astype(x.dtype), inv.astype(x.dtype))
+        return outputs[: max(1, len(self.onnx_node.output))]
+
+
+KERNELS = [LayerNormalization, MaxUnpool, MeanVarianceNormalization, Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState, LinearAttention,
            *_RECURRENT]

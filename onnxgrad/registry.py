@@ -20,7 +20,7 @@ input of the forward node: a :class:`Var` (the gradient of that input), or
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -28,7 +28,7 @@ import onnx
 import onnx.defs
 from onnx import helper
 
-from .builder import Builder, TensorInfo, Var
+from .builder import Builder, Var
 from .errors import UnsupportedOpError
 
 Gradients = Sequence["Var | None"] | "Var | None"

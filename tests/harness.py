@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad.check import Runner, check, to_float64
+from onnxgrad.check import Runner, check, gradient_spec, to_float64
 
 RNG = np.random.default_rng(1234)
 
@@ -121,3 +121,18 @@ def run_case(case: Case, of: list[str] | None = None) -> onnxgrad.check.CheckRes
     r64 = check(model, gm, feeds, max_elements=case.max_elements, analytic_run=run64)
     assert r64.ok(case.tol64), f"{case}: float64 gradient errors {r64.errors}"
     return r64
+
+
+def run_second_order(case: Case) -> None:
+    """grad(grad(model)): the first gradient model's gradients (of its forward inputs and of its seed)
+    checked against central differences of that model, as run_case checks the first."""
+    model, feeds, wrt = case_model(case)
+    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    spec = gradient_spec(gm)
+    seed = spec["seeds"]["y0"]
+    y = Runner(model)(feeds)["y0"]
+    feeds = {**feeds, seed: np.random.default_rng(5).standard_normal(y.shape).astype(y.dtype)}
+    ggm = onnxgrad.grad(gm, wrt=wrt + [seed], of=list(spec["gradients"].values()), allow_unused=True)
+    onnx.checker.check_model(ggm, full_check=True)
+    r = check(gm, ggm, feeds, max_elements=case.max_elements)
+    assert r.ok(case.tol32), f"{case}: second-order gradient errors {r.errors}"

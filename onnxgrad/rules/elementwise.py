@@ -3,9 +3,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
-
-from ..builder import Var
 from ..registry import Node, register
 
 

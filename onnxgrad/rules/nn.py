@@ -499,7 +499,7 @@ def col2im(n):
     block = n.const_ints(2)
     if block is None:
         n.unsupported("Col2Im with a block_shape computed at run time")
-    b, rank, taps = n.b, len(block), int(np.prod(block))
+    b, taps = n.b, int(np.prod(block))
     image = n.const_ints(1)
     image = b.ints(image) if image is not None else n.input(1)
     planes = n.op.Reshape(n.dy, n.op.Concat(b.ints([-1, 1]), image, axis=0))        # [N*C, 1, *image]
