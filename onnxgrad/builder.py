@@ -156,8 +156,10 @@ class Builder:
 
     def scoped(self, prefix: str, doc: str, op_type: str = "") -> "Builder":
         """A builder writing into the same node list under another name prefix (for a node of ``op_type``)."""
-        b = Builder(self.opset, self.names, self.infos, prefix, doc, self.constants, op_type)
-        b.nodes = self.nodes
+        b = object.__new__(Builder)          # the pass makes one per node: skip __init__'s defaults
+        b.__dict__.update(self.__dict__)
+        b.prefix, b.doc, b.op_type = prefix, doc, op_type
+        b.op = _Ops(b)
         return b
 
     # -- names and types ----------------------------------------------------------
@@ -179,7 +181,9 @@ class Builder:
         outs = [self.names.fresh(f"{node_name}_out{i}" if outputs > 1 else f"{node_name}_out")
                 for i in range(outputs)]
         attrs = {k: v for k, v in attrs.items() if v is not None}
-        node = helper.make_node(op_type, names, outs, name=node_name, doc_string=self.doc or None, **attrs)
+        node = onnx.NodeProto(op_type=op_type, input=names, output=outs, name=node_name, doc_string=self.doc)
+        if attrs:
+            node.attribute.extend(helper.make_attribute(k, v) for k, v in sorted(attrs.items()))
         self.nodes.append(node)
         dtype = self._out_dtype(op_type, inputs, attrs)
         for o in outs:
@@ -214,7 +218,10 @@ class Builder:
         elif arr.dtype == np.float64:
             arr = arr.astype(np.float32)
         tensor = numpy_helper.from_array(arr)
-        return self.emit("Constant", [], value=tensor)
+        v = self.emit("Constant", [], value=tensor)
+        self.infos[v.name] = TensorInfo(tensor.data_type, tuple(arr.shape))   # rules may read them back
+        self.constants[v.name] = arr
+        return v
 
     def ints(self, values: Iterable[int]) -> Var:
         """A 1-D int64 constant (axes, shapes, pads given as inputs)."""
@@ -298,12 +305,15 @@ class Builder:
         return self.cast_like(filled, x)
 
     def reshape_like(self, x: Var, like: Var) -> Var:
-        """Reshape x to like's shape (a constant when it is static)."""
+        """Reshape x to like's shape: a constant shape when static (zeros when like is empty), else
+        Shape(like) with allowzero (opset 14+) so that a 0 in it means 0, not 'copy this dim'."""
         if like.info.static:
             if x.info.static and tuple(x.shape) == tuple(like.shape):
                 return x
+            if 0 in like.shape:
+                return self.zeros_like(like)
             return self.emit("Reshape", [x, self.ints(like.shape)])
-        return self.emit("Reshape", [x, self.shape_of(like)])
+        return self.emit("Reshape", [x, self.shape_of(like)], allowzero=1 if self.opset >= 14 else None)
 
     def unbroadcast(self, grad: Var, target: Var, source: "Var | Sequence[int | None] | None" = None) -> Var:
         """Sum ``grad`` (shaped like ``source``: the broadcast result, or its shape) back to ``target``'s shape.

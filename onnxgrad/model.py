@@ -80,7 +80,7 @@ def _info_of(tp: onnx.TypeProto) -> TensorInfo:
     dtype = tt.elem_type or None
     if not tt.HasField("shape"):
         return TensorInfo(dtype, None)
-    dims = tuple(d.dim_value if d.HasField("dim_value") else None for d in tt.shape.dim)
+    dims = tuple(d.dim_value if d.WhichOneof("value") == "dim_value" else None for d in tt.shape.dim)
     return TensorInfo(dtype, dims)
 
 
