@@ -10,6 +10,7 @@
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 from typing import Sequence
@@ -42,7 +43,15 @@ def grad(
     depend on); each gets a graph output ``<name>_grad``, in order, after the
     original outputs.
     """
-    return _Pass(M.load(model), _names(wrt), _names(of), loss, allow_unused).run()
+    # The pass allocates many small objects and frees nothing until it ends: the cyclic garbage
+    # collector's passes over them would only make large graphs slower than linear.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _Pass(M.load(model), _names(wrt), _names(of), loss, allow_unused).run()
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _names(x: Sequence[str] | str | None) -> list[str] | None:
@@ -58,6 +67,7 @@ class _Pass:
         self.opset = M.opset_of(model)
         self.infos, self.types = M.tensor_infos(self.inferred)
         self.allow_unused = allow_unused
+        self._positions: dict[tuple, tuple[int, ...]] = {}
         g = model.graph
         self.nodes = list(g.node)
         for i, node in enumerate(self.nodes):
@@ -128,11 +138,17 @@ class _Pass:
         return live
 
     def _diff_positions(self, node: onnx.NodeProto, rule: Rule | None) -> tuple[int, ...]:
-        n = len(node.input)
-        if rule is not None:
-            return rule.differentiable_inputs(self._schema(node), n)
-        tagged = schema_differentiable_inputs(self._schema(node), n)
-        return tagged if tagged is not None else tuple(range(n))
+        """Input positions that can carry a gradient (the rule's, else the schema's tags, else all)."""
+        key = (node.domain, node.op_type, len(node.input), rule is None)
+        if key not in self._positions:
+            n = len(node.input)
+            if rule is not None:
+                positions = rule.differentiable_inputs(self._schema(node), n)
+            else:
+                tagged = schema_differentiable_inputs(self._schema(node), n)
+                positions = tagged if tagged is not None else tuple(range(n))
+            self._positions[key] = positions
+        return self._positions[key]
 
     def _schema(self, node: onnx.NodeProto):
         if node.domain not in ("", "ai.onnx"):
@@ -258,7 +274,7 @@ class _Pass:
         if grads is None or isinstance(grads, Var):
             grads = [grads]
         grads = list(grads)
-        allowed = set(rule.differentiable_inputs(self._schema(node), len(node.input)))
+        allowed = self._diff_positions(node, rule)
         while len(grads) > len(node.input) and grads[-1] is None:
             grads.pop()                     # trailing Nones for optional inputs the node leaves out
         if len(grads) > len(node.input):

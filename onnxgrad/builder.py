@@ -171,12 +171,7 @@ class Builder:
 
     # -- emitting -----------------------------------------------------------------
     def emit(self, op_type: str, inputs: Sequence[Any], outputs: int = 1, **attrs) -> Any:
-        names = []
-        for x in inputs:
-            if x is None:
-                names.append("")
-            else:
-                names.append(self.lift(x).name)
+        names = ["" if x is None else x.name if type(x) is Var else self.lift(x).name for x in inputs]
         node_name = self.names.fresh(f"{self.prefix}/{op_type}")
         outs = [self.names.fresh(f"{node_name}_out{i}" if outputs > 1 else f"{node_name}_out")
                 for i in range(outputs)]
