@@ -322,11 +322,10 @@ class _Builder:
                     state_names[p][s] = [state[s].name, out]
 
         # name the outputs (renaming their producers where we can, so no copy is made)
-        graph_inputs = {i.name for i in g.input} | {vi.name for vi in new_inputs}
         final: dict[str, str] = {}
         for value, base, dtype, shape, doc in outputs:
             name = names.fresh(base)
-            _name_output(b, value, name, graph_inputs)
+            b.name_as(value, name)
             final[base] = name
             vi = helper.make_tensor_value_info(name, dtype, list(shape))
             vi.doc_string = doc
@@ -364,22 +363,6 @@ def _as_float(b: Builder, x: Var, dtype: int) -> Var:
 
 def _cast_to(b: Builder, x: Var, dtype: int) -> Var:
     return x if dtype == TensorProto.FLOAT else b.op.Cast(x, to=dtype)
-
-
-def _name_output(b: Builder, value: Var, name: str, graph_inputs: set[str]) -> None:
-    """Make ``value`` available as tensor ``name``: rename its producer's output, else an Identity."""
-    producer = next((n for n in b.nodes if value.name in n.output), None)
-    if producer is None or value.name in graph_inputs:
-        b.nodes.append(helper.make_node("Identity", [value.name], [name], name=b.names.fresh(f"{name}/Identity")))
-        return
-    for node in b.nodes:
-        for k, x in enumerate(node.input):
-            if x == value.name:
-                node.input[k] = name
-        for k, y in enumerate(node.output):
-            if y == value.name:
-                node.output[k] = name
-    value.name = name
 
 
 def _turn_into_inputs(g: onnx.GraphProto, params: Sequence[str], keep_defaults: bool, doc: str) -> None:

@@ -299,6 +299,24 @@ class Builder:
         filled = self.emit("ConstantOfShape", [shape], value=numpy_helper.from_array(np.full(1, value, np_type)))
         return self.cast_like(filled, x)
 
+    def name_as(self, value: Var, name: str) -> Var:
+        """Make ``value`` available as the tensor ``name``: rename it on the node of this builder that made
+        it (and on its readers here), so no copy is made; an Identity when no node here made it."""
+        if not any(value.name in node.output for node in self.nodes):
+            self.nodes.append(helper.make_node("Identity", [value.name], [name],
+                                               name=self.names.fresh(f"{name}/Identity"), doc_string=self.doc))
+        else:
+            for node in self.nodes:
+                for k, x in enumerate(node.input):
+                    if x == value.name:
+                        node.input[k] = name
+                for k, y in enumerate(node.output):
+                    if y == value.name:
+                        node.output[k] = name
+        self.infos[name] = self.infos.get(value.name, TensorInfo())
+        value.name = name
+        return value
+
     def reshape_like(self, x: Var, like: Var) -> Var:
         """Reshape x to like's shape: a constant shape when static (zeros when like is empty), else
         Shape(like) with allowzero (opset 14+) so that a 0 in it means 0, not 'copy this dim'."""

@@ -367,7 +367,8 @@ class _Appender:
         assert self.target_vi is not None
         b = self.b
         value = build(self, b.var(self.output), b.var(self.target))
-        nodes = _rename(b.nodes, value.name, self.loss)
+        b.name_as(value, self.loss)
+        nodes = b.nodes
         g = self.model.graph
         g.node.extend(nodes)
         g.input.append(self.target_vi)
@@ -388,17 +389,6 @@ def _dims(vi: onnx.ValueInfoProto) -> list | None:
     tt = vi.type.tensor_type
     return list(tt.shape.dim) if tt.HasField("shape") else None
 
-
-def _rename(nodes: list[onnx.NodeProto], old: str, new: str) -> list[onnx.NodeProto]:
-    """Give the tensor ``old`` (made by one of ``nodes``) the name ``new``."""
-    for node in nodes:
-        for k, x in enumerate(node.input):
-            if x == old:
-                node.input[k] = new
-        for k, y in enumerate(node.output):
-            if y == old:
-                node.output[k] = new
-    return nodes
 
 LOSS_CLASSES: dict[str, type[Loss]] = {
     "mse": MSELoss,

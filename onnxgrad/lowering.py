@@ -141,21 +141,8 @@ class _Lowering:
     def _emit(self, b: Builder, results: dict[str, Var]) -> None:
         """Append b's nodes, making each result available under its output name."""
         for name, value in results.items():
-            if not name:
-                continue
-            producer = next((n for n in b.nodes if value.name in n.output), None)
-            if producer is None:
-                b.nodes.append(helper.make_node("Identity", [value.name], [name],
-                                                name=self.names.fresh(f"{name}/Identity")))
-                continue
-            for n in b.nodes:
-                for k, x in enumerate(n.input):
-                    if x == value.name:
-                        n.input[k] = name
-                for k, y in enumerate(n.output):
-                    if y == value.name:
-                        n.output[k] = name
-            value.name = name
+            if name:
+                b.name_as(value, name)
         self.done.extend(b.nodes)
 
     @staticmethod

@@ -28,7 +28,7 @@ import onnx
 import onnx.defs
 from onnx import helper
 
-from .builder import Builder, Var
+from .builder import Builder, TensorInfo, Var
 from .errors import UnsupportedOpError
 
 Gradients = Sequence["Var | None"] | "Var | None"
@@ -179,11 +179,12 @@ class Node:
         """Decline: this node's configuration has no gradient here (raised as UnsupportedOpError)."""
         raise UnsupportedOpError({self.proto.op_type: self.proto.name}, {self.proto.op_type: reason})
 
-    def expose_output(self, i: int, hint: str) -> Var:
+    def expose_output(self, i: int, hint: str, like: Var | None = None) -> Var:
         """Forward output i as a Var, naming it on the forward node if the model left it out.
 
         For rules that need what a forward op computes but the model did not keep
         (Dropout's mask, a normalization's saved statistics); outputs stay identical.
+        The new tensor's element type is ``like``'s, else the input's its schema ties it to.
         """
         outs = self.proto.output
         if i < len(outs) and outs[i]:
@@ -192,4 +193,18 @@ class Node:
             outs.append("")
         outs[i] = self.b.names.fresh(f"{self.proto.name}/{hint}")
         self.outputs = [self.b.var(y) if y else None for y in outs]
+        dtype = like.dtype if like is not None else self._schema_dtype(i)
+        self.b.infos[outs[i]] = TensorInfo(dtype, None)
         return self.b.var(outs[i])
+
+    def _schema_dtype(self, i: int) -> int | None:
+        """Element type of output i when the schema gives it the type of an input."""
+        schema = get_schema(self.proto.op_type, self.opset)
+        if schema is None or not schema.outputs:
+            return None
+        type_str = schema.outputs[min(i, len(schema.outputs) - 1)].type_str
+        for k, p in enumerate(schema.inputs):
+            x = self.input(k)
+            if p.type_str == type_str and x is not None and x.dtype is not None:
+                return x.dtype
+        return None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from ..builder import FLOAT_TYPES, TensorInfo, Var
+from ..builder import FLOAT_TYPES, Var
 from ..registry import Node, register
 
 _INT64_MAX = np.iinfo(np.int64).max
@@ -28,15 +28,6 @@ def _plus(a: Var | None, b: Var | None) -> Var | None:
     return a if b is None else a + b
 
 
-def _exposed(n: Node, i: int, hint: str, like: Var) -> Var:
-    """n.expose_output, with the element type of ``like`` recorded for an output the model left out.
-
-    (Workaround: an untyped tensor makes the builder type ``Reshape(p, shape)`` int64, from the shape.)
-    """
-    y = n.expose_output(i, hint)
-    if y.dtype is None and like.dtype is not None:
-        n.b.infos[y.name] = TensorInfo(like.dtype, None)
-    return y
 
 
 def _t(n: Node, x: Var) -> Var:
@@ -217,7 +208,7 @@ def attention(n: Node):
         u = heads.matmul(q4, _t(n, kc)) * scale                         # [B, Hq, S, L]
         capped = n.op.Tanh(u / softcap) * softcap if softcap > 0 else u
     if reuse:
-        p = p_wide = _exposed(n, 3, "probabilities", like=q)
+        p = p_wide = n.expose_output(3, "probabilities", like=q)
     else:
         z = _plus(capped, bias.bias)
         p_wide = bias.probabilities(n.op.Cast(z, to=precision) if widen else z)

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..builder import TensorInfo, Var
+from ..builder import Var
 from ..registry import Node, register
 
 # Activations whose alpha / beta the spec makes optional, and their defaults (those of the ONNX ops).
@@ -100,15 +100,6 @@ class _Act:
         raise AssertionError(self.name)
 
 
-def _exposed(n: Node, i: int, hint: str, like: Var) -> Var:
-    """n.expose_output, with the element type of ``like`` recorded for an output the model left out.
-
-    (Workaround: an untyped tensor makes the builder type ``Squeeze(y, axes)`` int64, from the axes.)
-    """
-    y = n.expose_output(i, hint)
-    if y.dtype is None and like.dtype is not None:
-        n.b.infos[y.name] = TensorInfo(like.dtype, None)
-    return y
 
 
 def _where(n: Node, cond: Var, if_true: float, if_false: float, like: Var) -> Var:
@@ -184,7 +175,7 @@ class _Recurrence:
         self.c0 = self._initial(6) if has_cell else None
         self._masks(n.input(4))
 
-        y = self._to_layout0(_exposed(n, 0, "Y", like=x), [1, 2, 0, 3])  # [T, D, B, H]
+        y = self._to_layout0(n.expose_output(0, "Y", like=x), [1, 2, 0, 3])  # [T, D, B, H]
         self.y = self._per_direction(y, 1)
         dy = n.dys[0]
         if dy is not None:
