@@ -23,6 +23,7 @@ FLOAT_TYPES = frozenset(
 )
 
 # Element type of outputs of ops whose output type does not follow their first input.
+_SHARED_CONSTANT_SIZE = 64     # elements; larger constants are not worth comparing
 _INT64_OPS = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
 _BOOL_OPS = frozenset(
     {"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor", "IsNaN", "IsInf"}
@@ -152,6 +153,7 @@ class Builder:
         self.prefix = prefix
         self.doc = doc
         self.nodes: list[onnx.NodeProto] = []
+        self.shared_constants: dict[tuple, str] = {}
         self.op = _Ops(self)
 
     def scoped(self, prefix: str, doc: str, op_type: str = "") -> "Builder":
@@ -206,16 +208,26 @@ class Builder:
 
     # -- constants ----------------------------------------------------------------
     def const(self, value: Any, dtype: int | None = None) -> Var:
-        """A Constant node holding ``value`` (numpy-convertible) as ``dtype``."""
+        """A Constant node holding ``value`` (numpy-convertible) as ``dtype``.
+
+        Small constants are made once per graph and shared (a backward graph would otherwise
+        carry thousands of copies of 1.0 and of the same axes); the node is named after the
+        first forward node that needed it.
+        """
         arr = np.asarray(value)
         if dtype is not None:
             arr = arr.astype(helper.tensor_dtype_to_np_dtype(dtype))
         elif arr.dtype == np.float64:
             arr = arr.astype(np.float32)
+        key = (arr.dtype.str, arr.shape, arr.tobytes()) if arr.size <= _SHARED_CONSTANT_SIZE else None
+        if key is not None and key in self.shared_constants:
+            return Var(self, self.shared_constants[key])
         tensor = numpy_helper.from_array(arr)
         v = self.emit("Constant", [], value=tensor)
         self.infos[v.name] = TensorInfo(tensor.data_type, tuple(arr.shape))   # rules may read them back
         self.constants[v.name] = arr
+        if key is not None:
+            self.shared_constants[key] = v.name
         return v
 
     def ints(self, values: Iterable[int]) -> Var:
@@ -302,7 +314,7 @@ class Builder:
     def name_as(self, value: Var, name: str) -> Var:
         """Make ``value`` available as the tensor ``name``: rename it on the node of this builder that made
         it (and on its readers here), so no copy is made; an Identity when no node here made it."""
-        if not any(value.name in node.output for node in self.nodes):
+        if value.name in self.shared_constants.values() or not any(value.name in n.output for n in self.nodes):
             self.nodes.append(helper.make_node("Identity", [value.name], [name],
                                                name=self.names.fresh(f"{name}/Identity"), doc_string=self.doc))
         else:

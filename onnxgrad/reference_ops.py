@@ -11,7 +11,7 @@ import math
 import numpy as np
 from onnx import helper
 from onnx.reference.op_run import OpRun
-from onnx.reference.ops import op_conv_transpose
+from onnx.reference.ops import op_batch_normalization, op_conv_transpose
 from onnx.reference.ops.op_causal_conv_with_state import CausalConvWithState as _RefCausalConv
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -315,5 +315,26 @@ class LayerNormalization(OpRun):
         return outputs[: max(1, len(self.onnx_node.output))]
 
 
-KERNELS = [LayerNormalization, MaxUnpool, MeanVarianceNormalization, Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState, LinearAttention,
+class BatchNormalization(op_batch_normalization.BatchNormalization_14):
+    """onnx.reference's BatchNormalization-9 uses batch statistics whenever momentum is set, and it
+    always is (default 0.9). The op is in inference mode unless training_mode=1 (opset 14+) or,
+    before 14, the node asks for the training outputs."""
+
+    op_domain = ""
+
+    def _run(self, x, scale, bias, mean, var, epsilon=None, momentum=None, training_mode=None):
+        outputs = len(self.onnx_node.output)
+        training = bool(training_mode) if training_mode is not None else outputs > 1
+        if training:
+            y, *stats = super()._run(x, scale, bias, mean, var, epsilon, 0.9 if momentum is None else momentum, 1)
+            axes = tuple(i for i in range(x.ndim) if i != 1)
+            stats += [x.mean(axis=axes), x.var(axis=axes)]          # BatchNormalization-9's saved_*
+            return (y, *stats)[:outputs]
+        shape = (-1,) + (1,) * (x.ndim - 2)
+        eps = 1e-5 if epsilon is None else float(epsilon)
+        y = scale.reshape(shape) * (x - mean.reshape(shape)) / np.sqrt(var.reshape(shape) + eps) + bias.reshape(shape)
+        return (y.astype(x.dtype),)
+
+
+KERNELS = [BatchNormalization, LayerNormalization, MaxUnpool, MeanVarianceNormalization, Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState, LinearAttention,
            *_RECURRENT]
