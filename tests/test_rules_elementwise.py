@@ -249,5 +249,5 @@ def test_erf_against_float64_differences(opset):
     got32 = Runner(gm)({"x": x, "y_grad": dy})["x_grad"]
     np.testing.assert_allclose(got32, numeric, rtol=2e-5, atol=1e-6)
     got64 = Runner(onnxgrad.check.to_float64(gm))({"x": x64, "y_grad": dy.astype(np.float64)})["x_grad"]
-    # (1e-6, the harness's tol64 is 1e-5: 2 / sqrt(pi) is a float32 constant widened to float64)
+    # (1e-6, the harness's tol64 is 1e-5: log(2 / sqrt(pi)) is a float32 constant widened to float64)
     np.testing.assert_allclose(got64, numeric, rtol=1e-6, atol=1e-9)

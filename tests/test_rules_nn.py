@@ -113,6 +113,21 @@ CASES = [
          outputs=2, id="storage-order-with-indices"),
     Case("MaxPool", [distinct(2, 3, 6, 6)], attrs=dict(kernel_shape=[3, 3], strides=[2, 2]), unknown_shapes=True,
          id="dynamic"),
+    # non-overlapping windows (one plain scatter) with pads, ceil_mode, dilations, SAME, unknown shapes
+    Case("MaxPool", [distinct(1, 2, 5, 5)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2], pads=[1, 0, 0, 1]),
+         id="disjoint-pads"),
+    Case("MaxPool", [distinct(1, 2, 5, 7)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1),
+         id="disjoint-ceil"),
+    Case("MaxPool", [distinct(1, 2, 8, 7)], attrs=dict(kernel_shape=[2, 2], strides=[3, 2], dilations=[2, 1]),
+         id="disjoint-dilations"),
+    # (SAME_UPPER: onnx.reference's MaxPool gets SAME_LOWER's output size wrong, 3x2 for onnxruntime's 4x3 on
+    # a 7x5 input, which matters wherever the float64 check runs in onnx.reference)
+    Case("MaxPool", [distinct(1, 2, 7, 5)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2], auto_pad="SAME_UPPER"),
+         id="disjoint-same"),
+    Case("MaxPool", [distinct(2, 3, 6, 7)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]), unknown_shapes=True,
+         id="disjoint-dynamic"),
+    Case("MaxPool", [distinct(1, 2, 1, 3)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2], pads=[1, 1, 1, 1]),
+         id="disjoint-input-smaller-than-output"),
     # AveragePool
     Case("AveragePool", [randn(2, 3, 6, 6)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]), id="2x2"),
     Case("AveragePool", [randn(1, 2, 9)], attrs=dict(kernel_shape=[3], strides=[2]), id="1d"),
@@ -257,18 +272,82 @@ def _backward_ops(case: Case) -> list[str]:
     return [node.op_type for node in gm.graph.node[1:] if node.op_type not in ("Constant", "Identity")]
 
 
-def test_conv_backward_is_one_conv_transpose_and_one_conv():
-    """ResNet-style 3x3 stride-1 conv: dx one ConvTranspose, dw one Conv between Transposes, db one ReduceSum."""
+def test_conv_backward_is_one_conv_transpose_and_one_gemm():
+    """ResNet-style 3x3 stride-1 conv: dx one ConvTranspose, dw one Gemm over the im2col columns
+    (one Slice per tap of the padded x), db one ReduceSum; no Conv."""
     case = Case("Conv", [randn(2, 4, 6, 6), randn(5, 4, 3, 3), randn(5)], attrs=dict(pads=[1, 1, 1, 1]))
-    assert sorted(_backward_ops(case)) == sorted(["ConvTranspose", "Transpose", "Transpose", "Conv", "Transpose",
-                                                  "ReduceSum"])
+    ops = _backward_ops(case)
+    assert ops.count("ConvTranspose") == 1 and ops.count("Gemm") == 1 and ops.count("ReduceSum") == 1
+    assert ops.count("Slice") == 9 and ops.count("Pad") == 1 and "Conv" not in ops
+    one_by_one = _backward_ops(Case("Conv", [randn(2, 4, 6, 6), randn(5, 4, 1, 1)]))
+    assert "Slice" not in one_by_one and "Pad" not in one_by_one and one_by_one.count("Gemm") == 1
+
+
+@pytest.mark.parametrize("op, x, w, attrs", [
+    ("Conv", randn(2, 3, 7, 6), randn(4, 3, 3, 2), dict(strides=[2, 1], pads=[1, 0, 1, 1])),
+    ("ConvTranspose", randn(2, 3, 4, 3), randn(3, 2, 3, 3), dict(strides=[2, 2], pads=[1, 0, 1, 1])),
+])
+def test_filter_gradient_is_a_gemm_inside_a_model(op, x, w, attrs):
+    """dy from another rule carries no shape: the im2col Gemm reads the forward node's shapes."""
+    nodes = [onnx.helper.make_node(op, ["x", "w"], ["c"], name="conv", **attrs),
+             onnx.helper.make_node("Tanh", ["c"], ["y"], name="tanh")]
+    graph = onnx.helper.make_graph(
+        nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, list(x.shape))],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["a", "b", "c", "d"])],
+        [onnx.numpy_helper.from_array(w, "w")])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    gm = onnxgrad.grad(model, wrt=["x", "w"], of=["y"])
+    assert [n.op_type for n in gm.graph.node if n.name.startswith("conv/grad")].count("Gemm") == 1
+    assert check(model, gm, {"x": x}).ok(2e-3)
+
+
+@pytest.mark.parametrize("case", [
+    Case("Conv", [randn(2, 3, 7, 6), randn(4, 3, 3, 2), randn(4)], attrs=dict(strides=[2, 1], pads=[1, 0, 1, 1]),
+         id="conv"),
+    Case("Conv", [randn(1, 2, 7, 6), randn(3, 2, 2, 3)], attrs=dict(strides=[3, 2], dilations=[2, 1]),
+         id="conv-stride-not-dividing"),
+    Case("ConvTranspose", [randn(1, 3, 4, 3), randn(3, 2, 3, 3)], attrs=dict(strides=[2, 2], pads=[1, 0, 1, 1]),
+         id="conv-transpose"),
+], ids=str)
+def test_filter_gradient_without_im2col(case, monkeypatch):
+    """Above the im2col size limit the weight gradient is the Conv form (batch and channels exchanged)."""
+    monkeypatch.setattr(nn, "_IM2COL_MAX_ELEMENTS", 0)
+    ops = _backward_ops(case)
+    assert "Gemm" not in ops and ops.count("Conv") == (2 if case.op == "ConvTranspose" else 1)   # + its dx
+    run_case(case)
 
 
 def test_pool_backward_has_no_scatter_where_windows_do_not_overlap():
     ops = _backward_ops(Case("AveragePool", [randn(1, 2, 4, 4)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2])))
     assert "ConvTranspose" in ops and not any(op.startswith("Scatter") for op in ops)
-    ops = _backward_ops(Case("MaxPool", [distinct(1, 2, 4, 4)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2])))
+    ops = _backward_ops(Case("MaxPool", [distinct(1, 2, 5, 5)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2])))
     assert ops.count("ScatterElements") == 1
+
+
+def test_max_pool_tiles_need_no_indices():
+    """2x2 windows tiling the image: ArgMax over SpaceToDepth tiles, no Indices output and no scatter."""
+    case = Case("MaxPool", [distinct(2, 3, 4, 6)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]))
+    model, _, wrt = case_model(case)
+    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    assert len(gm.graph.node[0].output) == 1
+    ops = [node.op_type for node in gm.graph.node[1:]]
+    assert "ArgMax" in ops and not any(op.startswith("Scatter") for op in ops)
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_max_pool_tile_ties_go_to_the_first_maximum(k):
+    """Tiles with ties (ReLU zeros, repeated values): dy goes where MaxPool's Indices point, the first
+    maximum in row-major order, as onnxruntime and PyTorch choose it."""
+    rng = np.random.default_rng(3)
+    x = rng.integers(0, 3, (2, 3, 2 * k, 3 * k)).astype(np.float32)       # many ties in every tile
+    case = Case("MaxPool", [x], attrs=dict(kernel_shape=[k, k], strides=[k, k]))
+    seed = rng.standard_normal((2, 3, 2, 3)).astype(np.float32)
+    dx = _gradient(case, seed)
+    indices = _indices(x, kernel_shape=[k, k], strides=[k, k])
+    expected = np.zeros(x.size, np.float32)
+    expected[indices.reshape(-1)] = seed.reshape(-1)
+    np.testing.assert_array_equal(dx, expected.reshape(x.shape))
 
 
 @pytest.mark.parametrize("case, reason", [
@@ -293,6 +372,8 @@ def test_unsupported_configurations_say_why(case, reason, nn_roi_align):
     Case("ConvTranspose", [randn(1, 2, 3, 4), randn(2, 3, 3, 2)],
          attrs=dict(strides=[2, 3], pads=[1, 0, 1, 1], output_padding=[1, 2])),
     Case("MaxPool", [distinct(1, 2, 7, 6)], attrs=dict(kernel_shape=[3, 3], strides=[2, 2]), opset=13),
+    Case("MaxPool", [distinct(1, 2, 4, 6)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]), id="tiles"),
+    Case("Conv", [randn(2, 3, 5, 4), randn(2, 3, 3, 3)], attrs=dict(pads=[1, 1, 1, 1]), id="conv-im2col"),
     Case("LRN", [randn(2, 5, 3, 4)], attrs=dict(size=3, alpha=0.3, beta=0.75, bias=1.5)),
 ], ids=str)
 def test_second_order(case):

@@ -1,0 +1,501 @@
+"""Speed of a training step: onnxgrad.TrainingSession (AdamW) vs the onnxruntime forward and PyTorch eager.
+
+Three models are built here with onnx.helper (no torch needed to build them):
+
+- ``mlp``: 784-512-512-10 MLP (Gemm transB=1, ReLU), batch 64, cross-entropy;
+- ``cnn``: [3x3 conv (pad 1) + ReLU + 2x2 max-pool] with 32 then 64 channels on
+  3x32x32 input, Flatten, Linear to 10 classes, batch 32, cross-entropy;
+- ``transformer``: one pre-LayerNorm block, d_model 256, 4 heads, seq 128,
+  MLP 1024 with erf-GELU, explicit softmax attention (MatMul, Softmax), batch 8, MSE.
+
+For each model it prints, measured interleaved in one run after warm-up
+(median [min] of ``--reps`` single calls, in ms): the build time (artifacts,
+i.e. grad + training graph, plus session creation, in s), the onnxruntime
+forward (weights as initializers), the gradient graph (forward + loss +
+backward, no update, weights as initializers), the TrainingSession AdamW step,
+the ratios step/forward and gradient/forward, and, when torch is importable,
+PyTorch eager's step (zero_grad, forward, loss, backward, AdamW.step) on the
+same weights and batch. Every framework runs with 2 intra-op threads
+(``BENCH_THREADS``) whose idle threads block rather than spin: on shared,
+oversubscribed cores (where this was written) spinning threads stall the other
+side for whole scheduler slices and medians swing 2-10x. On a machine with free
+cores, ``BENCH_SPIN=1`` (onnxruntime's and OpenMP's default) is faster for both:
+the MLP step took 1.7 ms spinning against 2.6 ms blocking. ``--memory`` adds the peak RSS while stepping, each framework in a fresh process, and how
+much of it came with the model (the peak less the RSS after imports, before the model was built).
+``--profile MODEL`` prints onnxruntime's per-node profile of the step and of the forward.
+
+    /tmp/torchvenv/bin/python bench/bench_step.py                 # all models, with PyTorch
+    /tmp/torchvenv/bin/python bench/bench_step.py mlp --memory
+    /tmp/venv/bin/python bench/bench_step.py --profile transformer
+
+A benchmark, not a test: it prints times and asserts nothing about them. The
+machine is shared, so timings are noisy: the measurements are interleaved and
+reported as medians, with the minimum (the cost without interference) beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+THREADS = int(os.environ.get("BENCH_THREADS", "2"))
+SPIN = os.environ.get("BENCH_SPIN", "0") == "1"   # idle intra-op threads busy-wait (both frameworks)
+# set before torch (OpenMP) is imported: measured on 2 shared cores, PyTorch's MLP step took 46 ms with its
+# threads spinning against onnxruntime's and 10 ms with them blocking
+os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if SPIN else "PASSIVE")
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+
+
+# -- the models ----------------------------------------------------------------------------------
+@dataclass
+class Bench:
+    name: str
+    forward: onnx.ModelProto            # weights as initializers
+    output: str
+    loss: Any                           # an onnxgrad.losses loss (callable model -> model)
+    feeds: dict[str, np.ndarray]        # forward inputs
+    target: dict[str, np.ndarray]       # the loss's target input
+    weights: dict[str, np.ndarray]
+    torch_step: Callable[[dict[str, np.ndarray]], Callable[[], float]] | None = None
+
+
+def _init(rng, shape, fan_in) -> np.ndarray:
+    bound = 1.0 / np.sqrt(fan_in)
+    return rng.uniform(-bound, bound, shape).astype(np.float32)
+
+
+def _model(nodes, inputs, outputs, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    inits = [numpy_helper.from_array(v, k) for k, v in weights.items()]
+    g = helper.make_graph(nodes, "bench", inputs, outputs, inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
+    m.ir_version = 8
+    onnx.checker.check_model(m)
+    return m
+
+
+def mlp(batch: int = 64) -> Bench:
+    from onnxgrad import losses
+
+    rng = np.random.default_rng(0)
+    sizes = [784, 512, 512, 10]
+    w: dict[str, np.ndarray] = {}
+    nodes, h = [], "x"
+    for i, (k, n) in enumerate(zip(sizes, sizes[1:])):
+        w[f"fc{i}.weight"] = _init(rng, (n, k), k)
+        w[f"fc{i}.bias"] = _init(rng, (n,), k)
+        out = "logits" if i == len(sizes) - 2 else f"h{i}"
+        pre = out if i == len(sizes) - 2 else f"z{i}"
+        nodes.append(helper.make_node("Gemm", [h, f"fc{i}.weight", f"fc{i}.bias"], [pre], transB=1, name=f"fc{i}"))
+        if i < len(sizes) - 2:
+            nodes.append(helper.make_node("Relu", [pre], [out], name=f"relu{i}"))
+        h = out
+    m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 784])],
+               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, 10])], w)
+    feeds = {"x": rng.standard_normal((batch, 784)).astype(np.float32)}
+    target = {"y": rng.integers(0, 10, batch).astype(np.int64)}
+
+    def torch_step(params):
+        import torch
+        import torch.nn.functional as F
+
+        p = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in params.items()}
+        x, y = torch.from_numpy(feeds["x"]), torch.from_numpy(target["y"])
+
+        def loss_fn():
+            h = x
+            for i in range(3):
+                h = F.linear(h, p[f"fc{i}.weight"], p[f"fc{i}.bias"])
+                if i < 2:
+                    h = F.relu(h)
+            return F.cross_entropy(h, y)
+        return _torch_adamw(p, loss_fn)
+
+    return Bench("mlp", m, "logits", losses.CrossEntropyLoss(output="logits", target="y"), feeds, target, w,
+                 torch_step)
+
+
+def cnn(batch: int = 32) -> Bench:
+    from onnxgrad import losses
+
+    rng = np.random.default_rng(1)
+    w = {"conv1.weight": _init(rng, (32, 3, 3, 3), 27), "conv1.bias": _init(rng, (32,), 27),
+         "conv2.weight": _init(rng, (64, 32, 3, 3), 288), "conv2.bias": _init(rng, (64,), 288),
+         "fc.weight": _init(rng, (10, 64 * 8 * 8), 64 * 8 * 8), "fc.bias": _init(rng, (10,), 64 * 8 * 8)}
+    nodes, h = [], "x"
+    for i in (1, 2):
+        nodes += [helper.make_node("Conv", [h, f"conv{i}.weight", f"conv{i}.bias"], [f"c{i}"],
+                                   kernel_shape=[3, 3], pads=[1, 1, 1, 1], name=f"conv{i}"),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}"),
+                  helper.make_node("MaxPool", [f"r{i}"], [f"p{i}"], kernel_shape=[2, 2], strides=[2, 2],
+                                   name=f"pool{i}")]
+        h = f"p{i}"
+    nodes += [helper.make_node("Flatten", [h], ["flat"], axis=1, name="flatten"),
+              helper.make_node("Gemm", ["flat", "fc.weight", "fc.bias"], ["logits"], transB=1, name="fc")]
+    m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 32, 32])],
+               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, 10])], w)
+    feeds = {"x": rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)}
+    target = {"y": rng.integers(0, 10, batch).astype(np.int64)}
+
+    def torch_step(params):
+        import torch
+        import torch.nn.functional as F
+
+        p = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in params.items()}
+        x, y = torch.from_numpy(feeds["x"]), torch.from_numpy(target["y"])
+
+        def loss_fn():
+            h = x
+            for i in (1, 2):
+                h = F.max_pool2d(F.relu(F.conv2d(h, p[f"conv{i}.weight"], p[f"conv{i}.bias"], padding=1)), 2)
+            return F.cross_entropy(F.linear(h.flatten(1), p["fc.weight"], p["fc.bias"]), y)
+        return _torch_adamw(p, loss_fn)
+
+    return Bench("cnn", m, "logits", losses.CrossEntropyLoss(output="logits", target="y"), feeds, target, w,
+                 torch_step)
+
+
+def transformer(batch: int = 8, seq: int = 128, d: int = 256, heads: int = 4, hidden: int = 1024) -> Bench:
+    from onnxgrad import losses
+
+    rng = np.random.default_rng(2)
+    hd = d // heads
+    w = {"ln1.weight": np.ones(d, np.float32) + 0.1 * rng.standard_normal(d).astype(np.float32),
+         "ln1.bias": 0.1 * rng.standard_normal(d).astype(np.float32)}
+    for k in ("q", "k", "v", "o"):
+        w[f"{k}.weight"] = _init(rng, (d, d), d)      # stored [in, out]: y = x @ W + b
+        w[f"{k}.bias"] = _init(rng, (d,), d)
+    w["ln2.weight"] = np.ones(d, np.float32) + 0.1 * rng.standard_normal(d).astype(np.float32)
+    w["ln2.bias"] = 0.1 * rng.standard_normal(d).astype(np.float32)
+    w["fc1.weight"], w["fc1.bias"] = _init(rng, (d, hidden), d), _init(rng, (hidden,), d)
+    w["fc2.weight"], w["fc2.bias"] = _init(rng, (hidden, d), hidden), _init(rng, (d,), hidden)
+    consts = {"split_heads": np.array([batch, seq, heads, hd], np.int64),
+              "merge_heads": np.array([batch, seq, d], np.int64),
+              "scale": np.array(1.0 / np.sqrt(hd), np.float32),
+              "half": np.array(0.5, np.float32), "one": np.array(1.0, np.float32),
+              "inv_sqrt2": np.array(1.0 / np.sqrt(2.0), np.float32)}
+    N = helper.make_node
+    nodes = [N("Constant", [], [k], value=numpy_helper.from_array(v, k), name=f"const_{k}") for k, v in consts.items()]
+
+    def linear(x, name, out):
+        return [N("MatMul", [x, f"{name}.weight"], [f"{out}_mm"], name=f"{name}/MatMul"),
+                N("Add", [f"{out}_mm", f"{name}.bias"], [out], name=f"{name}/Add")]
+
+    nodes.append(N("LayerNormalization", ["x", "ln1.weight", "ln1.bias"], ["ln1"], axis=-1, epsilon=1e-5,
+                   name="ln1"))
+    for k in ("q", "k", "v"):
+        nodes += linear("ln1", k, k)
+        nodes += [N("Reshape", [k, "split_heads"], [f"{k}_4d"], name=f"{k}/split"),
+                  N("Transpose", [f"{k}_4d"], [f"{k}_h"], perm=[0, 2, 3, 1] if k == "k" else [0, 2, 1, 3],
+                    name=f"{k}/transpose")]
+    nodes += [N("MatMul", ["q_h", "k_h"], ["scores_raw"], name="attn/qk"),
+              N("Mul", ["scores_raw", "scale"], ["scores"], name="attn/scale"),
+              N("Softmax", ["scores"], ["probs"], axis=-1, name="attn/softmax"),
+              N("MatMul", ["probs", "v_h"], ["ctx_h"], name="attn/pv"),
+              N("Transpose", ["ctx_h"], ["ctx_t"], perm=[0, 2, 1, 3], name="attn/merge_t"),
+              N("Reshape", ["ctx_t", "merge_heads"], ["ctx"], name="attn/merge")]
+    nodes += linear("ctx", "o", "attn_out")
+    nodes += [N("Add", ["x", "attn_out"], ["res1"], name="res1"),
+              N("LayerNormalization", ["res1", "ln2.weight", "ln2.bias"], ["ln2"], axis=-1, epsilon=1e-5,
+                name="ln2")]
+    nodes += linear("ln2", "fc1", "h1")
+    nodes += [N("Mul", ["h1", "inv_sqrt2"], ["h1_s"], name="gelu/scale"),
+              N("Erf", ["h1_s"], ["h1_erf"], name="gelu/erf"),
+              N("Add", ["h1_erf", "one"], ["h1_1p"], name="gelu/add"),
+              N("Mul", ["h1", "h1_1p"], ["h1_x"], name="gelu/mul"),
+              N("Mul", ["h1_x", "half"], ["gelu"], name="gelu/half")]
+    nodes += linear("gelu", "fc2", "mlp_out")
+    nodes.append(N("Add", ["res1", "mlp_out"], ["out"], name="res2"))
+    m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, seq, d])],
+               [helper.make_tensor_value_info("out", TensorProto.FLOAT, [batch, seq, d])], w)
+    feeds = {"x": rng.standard_normal((batch, seq, d)).astype(np.float32)}
+    target = {"target": rng.standard_normal((batch, seq, d)).astype(np.float32)}
+
+    def torch_step(params):
+        import torch
+        import torch.nn.functional as F
+
+        p = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in params.items()}
+        x, t = torch.from_numpy(feeds["x"]), torch.from_numpy(target["target"])
+
+        def loss_fn():
+            h = F.layer_norm(x, (d,), p["ln1.weight"], p["ln1.bias"], 1e-5)
+            q, k, v = (torch.matmul(h, p[f"{n}.weight"]) + p[f"{n}.bias"] for n in "qkv")
+            q, v = (z.reshape(batch, seq, heads, hd).transpose(1, 2) for z in (q, v))
+            k = k.reshape(batch, seq, heads, hd).permute(0, 2, 3, 1)
+            probs = torch.softmax(torch.matmul(q, k) * (1.0 / np.sqrt(hd)), dim=-1)
+            ctx = torch.matmul(probs, v).transpose(1, 2).reshape(batch, seq, d)
+            r = x + torch.matmul(ctx, p["o.weight"]) + p["o.bias"]
+            h = F.layer_norm(r, (d,), p["ln2.weight"], p["ln2.bias"], 1e-5)
+            h = F.gelu(torch.matmul(h, p["fc1.weight"]) + p["fc1.bias"])
+            out = r + torch.matmul(h, p["fc2.weight"]) + p["fc2.bias"]
+            return F.mse_loss(out, t)
+        return _torch_adamw(p, loss_fn)
+
+    return Bench("transformer", m, "out", losses.MSELoss(output="out", target="target"), feeds, target, w,
+                 torch_step)
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
+
+
+def _torch_adamw(params, loss_fn) -> Callable[[], float]:
+    import torch
+
+    opt = torch.optim.AdamW(params.values(), lr=1e-3)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn()
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
+    return step
+
+
+# -- onnxruntime pieces ---------------------------------------------------------------------------
+def session_options(profile: str | None = None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = THREADS
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    if not SPIN:
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if profile:
+        so.enable_profiling = True
+        so.profile_file_prefix = profile
+    return so
+
+
+def ort_session(model: onnx.ModelProto, profile: str | None = None):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(model.SerializeToString(), session_options(profile),
+                                providers=["CPUExecutionProvider"])
+
+
+def training_session(bench: Bench, profile: str | None = None):
+    from onnxgrad import TrainingSession, optim
+
+    return TrainingSession(bench.forward, loss=bench.loss, optimizer=optim.AdamW(lr=1e-3),
+                           providers=["CPUExecutionProvider"], session_options=session_options(profile))
+
+
+def gradient_model(bench: Bench) -> onnx.ModelProto:
+    import onnxgrad
+
+    return onnxgrad.grad(bench.loss(bench.forward), wrt=list(bench.weights), loss="loss")
+
+
+# -- measuring ------------------------------------------------------------------------------------
+def _time(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure(bench: Bench, reps: int, warmup: int, with_torch: bool) -> dict:
+    import onnxgrad.artifacts as A
+
+    t0 = time.perf_counter()
+    gm = gradient_model(bench)
+    t_grad = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    A.build(bench.forward, bench.loss, None, guard=False, defaults=False)
+    t_artifacts = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ts = training_session(bench)
+    t_session = time.perf_counter() - t0
+
+    fwd = ort_session(bench.forward)
+    gsess = ort_session(gm)
+    all_feeds = {**bench.feeds, **bench.target}
+    gnames = [o.name for o in gm.graph.output]
+    runs: dict[str, Callable[[], Any]] = {
+        "forward": lambda: fwd.run(None, bench.feeds),
+        "gradient": lambda: gsess.run(gnames, all_feeds),
+        "step": lambda: ts.step(all_feeds),
+    }
+    if with_torch and bench.torch_step is not None:
+        import torch
+
+        torch.set_num_threads(THREADS)
+        runs["torch"] = bench.torch_step(bench.weights)
+    for fn in runs.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(reps):
+        for k, fn in runs.items():         # interleaved: each round times every candidate once
+            times[k].append(_time(fn))
+    gc.collect()
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    low = {k: float(np.min(v)) for k, v in times.items()}
+    return {"model": bench.name, "build_grad_s": t_grad, "build_artifacts_s": t_artifacts,
+            "session_s": t_session, "ms": med, "min": low, "times": times,
+            "fwd_nodes": len(bench.forward.graph.node), "grad_nodes": len(gm.graph.node),
+            "train_nodes": len(ts.artifacts.train.graph.node)}
+
+
+def _rss_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return -1
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def memory_child(name: str, framework: str) -> dict:
+    """In a fresh process: RSS before building anything, and the peak RSS while stepping."""
+    bench = MODELS[name]()
+    if framework == "torch":
+        import torch
+
+        torch.set_num_threads(THREADS)
+    else:
+        import onnxruntime  # noqa: F401
+        import onnxgrad  # noqa: F401
+    gc.collect()
+    base = _rss_kb("VmRSS")
+    if framework == "torch":
+        step = bench.torch_step(bench.weights)
+    else:
+        ts = training_session(bench)
+        feeds = {**bench.feeds, **bench.target}
+        step = lambda: ts.step(feeds)  # noqa: E731
+    for _ in range(3):
+        step()
+    gc.collect()
+    before = _rss_kb("VmRSS")
+    reset = _reset_peak()
+    for _ in range(5):
+        step()
+    peak = _rss_kb("VmHWM")
+    return {"base_mb": base / 1024, "before_step_mb": before / 1024, "peak_mb": peak / 1024,
+            "peak_reset": reset}
+
+
+def memory(name: str, frameworks: list[str]) -> dict[str, dict]:
+    out = {}
+    for fw in frameworks:
+        r = subprocess.run([sys.executable, __file__, "--memory-child", name, fw], capture_output=True, text=True,
+                           timeout=600)
+        if r.returncode != 0:
+            out[fw] = {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"rc {r.returncode}"}
+        else:
+            out[fw] = json.loads(r.stdout.strip().splitlines()[-1])
+    return out
+
+
+def profile(name: str, reps: int) -> None:
+    """onnxruntime's profile of the training step and the forward: time per op type and the top nodes."""
+    bench = MODELS[name]()
+    feeds = {**bench.feeds, **bench.target}
+    ts = training_session(bench, profile=f"/tmp/bench_step_{name}_train")
+    fwd = ort_session(bench.forward, profile=f"/tmp/bench_step_{name}_fwd")
+    for _ in range(reps):
+        ts.step(feeds)
+        fwd.run(None, bench.feeds)
+    for what, sess in (("step", ts._train), ("forward", fwd)):
+        path = sess.end_profiling()
+        with open(path) as f:
+            events = json.load(f)
+        by_type: dict[str, float] = {}
+        by_node: dict[str, tuple[str, float]] = {}
+        for e in events:
+            if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
+                continue
+            op = e["args"].get("op_name", "?")
+            node = e["name"][: -len("_kernel_time")]
+            by_type[op] = by_type.get(op, 0.0) + e["dur"] / 1e3 / reps
+            by_node[node] = (op, by_node.get(node, (op, 0.0))[1] + e["dur"] / 1e3 / reps)
+        total = sum(by_type.values())
+        print(f"\n== {name}: {what}, kernel time per run {total:.2f} ms ({path})")
+        for op, ms in sorted(by_type.items(), key=lambda kv: -kv[1])[:15]:
+            print(f"  {op:<28} {ms:8.3f} ms  {100 * ms / total:5.1f}%")
+        print("  -- top nodes")
+        for node, (op, ms) in sorted(by_node.items(), key=lambda kv: -kv[1][1])[:15]:
+            print(f"  {node[:70]:<70} {op:<20} {ms:8.3f} ms")
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("models", nargs="*", default=list(MODELS), metavar="MODEL",
+                    help=f"some of {', '.join(MODELS)} (default: all)")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--memory", action="store_true", help="peak RSS of a step, each framework in a fresh process")
+    ap.add_argument("--profile", metavar="MODEL", choices=list(MODELS))
+    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.memory_child:
+        print(json.dumps(memory_child(*args.memory_child)))
+        return
+    if args.profile:
+        profile(args.profile, args.reps)
+        return
+    try:
+        import torch  # noqa: F401
+        have_torch = not args.no_torch
+    except ImportError:
+        have_torch = False
+    import onnxruntime as ort
+
+    print(f"onnxruntime {ort.__version__}, {THREADS} intra-op threads, spinning {'on' if SPIN else 'off'}; "
+          f"torch: {'yes' if have_torch else 'no'} (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}); "
+          f"median [min] of {args.reps} interleaved runs after {args.warmup} warm-up, in ms")
+    results = []
+    print(f"{'model':<12} {'build s':>11} {'forward':>15} {'gradient':>15} {'step':>15} {'torch step':>15} "
+          f"{'step/fwd':>8} {'grad/fwd':>8} {'step/torch':>10} {'nodes f/g/t':>14}")
+    for name in args.models:
+        r = measure(MODELS[name](), args.reps, args.warmup, have_torch)
+        ms, lo = r["ms"], r["min"]
+
+        def cell(k: str) -> str:
+            return f"{ms[k]:.2f} [{lo[k]:.2f}]" if k in ms else "-"
+        ratio = f"{ms['step'] / ms['torch']:.2f}" if "torch" in ms else "-"
+        build = f"{r['build_artifacts_s']:.2f}+{r['session_s']:.2f}"
+        print(f"{name:<12} {build:>11} {cell('forward'):>15} {cell('gradient'):>15} {cell('step'):>15} "
+              f"{cell('torch'):>15} {ms['step'] / ms['forward']:>8.2f} {ms['gradient'] / ms['forward']:>8.2f} "
+              f"{ratio:>10} {r['fwd_nodes']:>4}/{r['grad_nodes']}/{r['train_nodes']}", flush=True)
+        if args.memory:
+            r["memory"] = memory(name, ["onnxgrad"] + (["torch"] if have_torch else []))
+            for fw, m in r["memory"].items():
+                if "error" in m:
+                    print(f"    memory {fw}: error: {m['error']}")
+                else:
+                    print(f"    memory {fw:<8}: peak RSS while stepping {m['peak_mb']:7.1f} MB, "
+                          f"{m['peak_mb'] - m['base_mb']:6.1f} MB above the process before the model was built"
+                          + ("" if m["peak_reset"] else " (peak not reset: includes set-up)"), flush=True)
+        results.append(r)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
