@@ -220,16 +220,22 @@ class _Pass:
             self._collect(node, rule, b, grads, needed)
 
         grad_outputs = []
+        made_here = {o for node in root.nodes for o in node.output} - set(root.shared_constants.values())
+        renames: dict[str, str] = {}
         for name in self.wrt:
             out_name = self.names.fresh(f"{name}_grad")
             total = self._gradient(name)
             b = root.scoped(f"{name}_grad", f"gradient of '{name}'")
             if total is None:
                 total = b.zeros_like(b.var(name))
-            root.nodes.append(helper.make_node(
-                "Identity", [total.name], [out_name], name=self.names.fresh(f"{name}_grad/Identity"),
-                doc_string=f"gradient of '{name}'"))
+            if total.name in made_here and total.name not in renames:
+                renames[total.name] = out_name       # the node that computes it names it: no copy
+            else:                                    # a seed, a forward tensor, a shared constant: copy
+                root.nodes.append(helper.make_node(
+                    "Identity", [total.name], [out_name], name=self.names.fresh(f"{name}_grad/Identity"),
+                    doc_string=f"gradient of '{name}'"))
             grad_outputs.append(self._value_info(out_name, name))
+        _rename(root.nodes, renames)
         backward = _live_nodes(root.nodes, {o.name for o in grad_outputs})
         return self._assemble(backward, seed_inputs, grad_outputs)
 
@@ -332,6 +338,19 @@ class _Pass:
             out.opset_import.add(domain="", version=self.opset)
         out.ir_version = M.emitted_ir_version(out)
         return out
+
+
+def _rename(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None:
+    """Rename tensors where they are made and where they are read (one sweep)."""
+    if not renames:
+        return
+    for node in nodes:
+        for k, x in enumerate(node.input):
+            if x in renames:
+                node.input[k] = renames[x]
+        for k, y in enumerate(node.output):
+            if y in renames:
+                node.output[k] = renames[y]
 
 
 def _live_nodes(nodes: list[onnx.NodeProto], wanted: set[str]) -> list[onnx.NodeProto]:
