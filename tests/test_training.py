@@ -70,6 +70,87 @@ def test_trajectory_matches_pytorch(run):
         np.testing.assert_allclose(value, DATA[f"{run}/{name}"], rtol=0, atol=2e-6, err_msg=name)
 
 
+# -- the optimizer graphs: ops per parameter (the update is memory-bound: each is a full pass) ------------
+UPDATE_OPS = [
+    (optim.SGD(lr=0.1), "Mul Sub"),
+    (optim.SGD(lr=0.1, momentum=0.9), "Mul Add Mul Sub"),
+    (optim.SGD(lr=0.1, momentum=0.9, dampening=0.3), "Mul Mul Add Mul Sub"),
+    (optim.SGD(lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.01), "Mul Add Mul Add Mul Add Mul Sub"),
+    (optim.Adam(), "Sub Mul Add Mul Mul Mul Add Sqrt Add Mul Div Sub"),
+    (optim.Adam(eps=0.0), "Sub Mul Add Mul Mul Mul Add Sqrt Mul Div Sub"),
+    (optim.Adam(weight_decay=0.01), "Mul Add Sub Mul Add Mul Mul Mul Add Sqrt Add Mul Div Sub"),
+    (optim.AdamW(), "Mul Sub Mul Add Mul Mul Mul Add Sqrt Add Mul Div Sub"),
+    (optim.Adagrad(), "Mul Add Sqrt Add Mul Div Sub"),
+    (optim.Adagrad(lr_decay=0.05, weight_decay=1e-3), "Mul Add Mul Add Sqrt Add Mul Div Sub"),
+]
+
+
+@pytest.mark.parametrize("optimizer, ops", UPDATE_OPS, ids=[repr(o) for o, _ in UPDATE_OPS])
+def test_update_ops_per_parameter(optimizer, ops):
+    """Scalars (bias corrections, decay, damping) are folded into 0-d factors shared by all parameters:
+    per parameter only the full-tensor passes of the formula remain (no Cast, Expand or Where)."""
+    art = artifacts.build(mlp_model(), ce(), optimizer, guard=False)
+    for p in art.spec.params:
+        got = [n.op_type for n in art.train.graph.node
+               if n.name.startswith(f"train/optimizer/{p}/") and n.op_type != "Constant"]
+        assert got == ops.split(), p
+    shared = [n.op_type for n in art.train.graph.node
+              if n.name.startswith("train/optimizer/") and n.name.count("/") == 2 and n.op_type != "Constant"]
+    assert len(shared) <= 16, shared            # the step's scalars, once per graph
+
+
+def linear_loss_model(shape=(3, 4)):
+    """loss = sum(w * x): the gradient of w is x, so the optimizer sees the gradients the test chooses."""
+    rng = np.random.default_rng(7)
+    w = onnx.numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), "w")
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Mul", ["w", "x"], ["wx"]),
+         onnx.helper.make_node("ReduceSum", ["wx"], ["loss"], keepdims=0)],
+        "linear", [onnx.helper.make_tensor_value_info("x", F, list(shape))],
+        [onnx.helper.make_tensor_value_info("loss", F, [])], [w])
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+
+
+def torch_adam_reference(p, grads, lr, betas, eps, weight_decay, decoupled):
+    """torch.optim.Adam/AdamW's single-tensor update, step by step: float32 tensors, Python-float scalars."""
+    f32 = np.float32
+    beta1, beta2 = betas
+    m, v = np.zeros_like(p), np.zeros_like(p)
+    for t, g in enumerate(grads, 1):
+        if decoupled:
+            p = p * f32(1 - lr * weight_decay)
+        elif weight_decay:
+            g = g + f32(weight_decay) * p
+        w = f32(1 - beta1)                                   # torch.lerp(m, g, w)
+        m = m + w * (g - m) if w < 0.5 else g - (g - m) * (f32(1) - w)
+        v = v * f32(beta2) + f32(1 - beta2) * g * g
+        step_size = lr / (1 - beta1 ** t)
+        denom = np.sqrt(v) / f32((1 - beta2 ** t) ** 0.5) + f32(eps)
+        p = p + f32(-step_size) * m / denom
+    return p, m, v
+
+
+@pytest.mark.parametrize("optimizer", [optim.Adam(lr=0.1, betas=(0.3, 0.9), weight_decay=0.1),
+                                       optim.Adam(lr=0.05, betas=(0.5, 0.99), eps=1e-3),
+                                       optim.AdamW(lr=0.1, betas=(0.6, 0.95), weight_decay=0.2)], ids=repr)
+def test_adam_matches_pytorch_formulas_on_both_lerp_branches(optimizer):
+    """Folded bias corrections (step_size and eps scaled by sqrt(1 - beta2^t)) give PyTorch's values."""
+    model = linear_loss_model()
+    s = TrainingSession(model, loss="loss", optimizer=optimizer)
+    rng = np.random.default_rng(3)
+    grads = [rng.standard_normal((3, 4)).astype(np.float32) for _ in range(6)]
+    for g in grads:
+        s.step({"x": g})
+    p0 = onnx.numpy_helper.to_array(model.graph.initializer[0])
+    lr = float(np.float32(optimizer.lr))                     # the graph's lr is a float32 input
+    p, m, v = torch_adam_reference(p0, grads, lr, optimizer.betas, optimizer.eps, optimizer.weight_decay,
+                                   isinstance(optimizer, optim.AdamW))
+    np.testing.assert_allclose(s.parameters()["w"], p, rtol=0, atol=1e-6)
+    state = s.optimizer_state()["w"]
+    np.testing.assert_allclose(state["exp_avg"], m, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(state["exp_avg_sq"], v, rtol=0, atol=1e-6)
+
+
 # -- the session ----------------------------------------------------------------------------------------
 def numpy_forward(params, x):
     h = np.maximum(x @ params["0.weight"].T + params["0.bias"], 0)
