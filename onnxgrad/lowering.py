@@ -37,30 +37,12 @@ DEFAULT_OPSET = 18   # for models that import no ai.onnx opset (e.g. a lone Adam
 
 def lower(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
     """A copy of ``model`` where every ai.onnx.preview.training node is replaced by standard ops."""
-    m = _read(model)
+    m = M.load(model)             # read, checked, opsets below 13 upgraded
     m = _at_runtime_opset(m)
     return _Lowering(m).run()
 
 
 # -- reading and versions -------------------------------------------------------------------------------
-def _read(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
-    if isinstance(model, (str, os.PathLike)):
-        path = os.fspath(model)
-        try:
-            model = onnx.load(path)
-        except Exception as e:
-            raise InvalidModelError(f"cannot read model '{path}': {type(e).__name__}: {e}") from None
-    if not isinstance(model, onnx.ModelProto):
-        raise InvalidModelError(f"expected an onnx.ModelProto or a path, got {type(model).__name__}")
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    try:
-        onnx.checker.check_model(m)
-    except Exception as e:
-        raise InvalidModelError(f"the model fails the ONNX checker: {str(e).strip().splitlines()[0]}") from None
-    return m
-
-
 def _ai_onnx_version(m: onnx.ModelProto) -> int | None:
     for o in m.opset_import:
         if o.domain in ("", "ai.onnx"):
