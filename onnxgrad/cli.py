@@ -12,12 +12,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from collections import Counter
 from typing import Sequence
 
 from .errors import OnnxGradError
+from .files import save_model
 
 CHECK_TOLERANCE = 1e-3
 
@@ -87,27 +87,6 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
 def _default_output(model_path: str) -> str:
     stem = model_path[:-5] if model_path.endswith(".onnx") else model_path
     return stem + ".grad.onnx"
-
-
-def save_model(model, path: str) -> None:
-    """Write atomically (temporary file in the same folder, then rename): never a half-written model."""
-    import onnx
-
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".onnxgrad-", suffix=".onnx", dir=folder)
-    os.close(fd)
-    try:
-        if model.ByteSize() > 2_000_000_000:
-            data = os.path.basename(path) + ".data"
-            onnx.save(model, tmp, save_as_external_data=True, all_tensors_to_one_file=True, location=data)
-        else:
-            onnx.save(model, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _shape_text(vi) -> str:

@@ -22,7 +22,6 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 import warnings
 import zipfile
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -33,6 +32,7 @@ from onnx import helper, numpy_helper
 
 from . import artifacts as A
 from .errors import OnnxGradError, UnknownNameError
+from .files import atomic_write
 from .optim import Optimizer, from_config
 
 __all__ = ["TrainingSession", "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError",
@@ -306,7 +306,7 @@ class TrainingSession:
     def export(self, path: str | os.PathLike) -> None:
         """Write the forward model with the current weights (an inference model), atomically."""
         m = self.exported_model()
-        _atomic_write(os.fspath(path), lambda f: f.write(m.SerializeToString()))
+        atomic_write(os.fspath(path), lambda f: f.write(m.SerializeToString()))
 
     def exported_model(self) -> onnx.ModelProto:
         m = onnx.ModelProto()
@@ -361,7 +361,7 @@ class TrainingSession:
                     with z.open(f"arrays/{k}.npy", "w", force_zip64=True) as member:
                         np.lib.format.write_array(member, np.ascontiguousarray(a), allow_pickle=False)
 
-        _atomic_write(os.fspath(path), write)
+        atomic_write(os.fspath(path), write)
 
     @classmethod
     def load(cls, path: str | os.PathLike, providers: Sequence[Any] | None = None,
@@ -536,35 +536,6 @@ class TrainingSession:
 
 
 # -- files ----------------------------------------------------------------------------------------------
-def _atomic_write(path: str, write: Callable[[Any], None]) -> None:
-    """Write via a temporary file in the same folder, fsync it, and rename it over ``path``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:  # make the rename itself durable
-        dfd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
-
-
 def _device_of(sess: Any) -> tuple[str, int]:
     """Where the session's first execution provider keeps tensors: ("cuda", id) or ("cpu", 0)."""
     used = sess.get_providers()

@@ -85,3 +85,17 @@ def test_ops_command_lists_every_op():
     assert "ops with a Differentiable input: 121" in r.stdout
     rows = [ln.split()[0] for ln in r.stdout.splitlines()[1:] if ln and not ln.startswith(("ai.onnx", "ops ", "untagged", "rules", "backend"))]
     assert {"MatMul", "Conv", "Softmax", "Shape"} <= set(rows)
+
+
+def test_large_models_are_saved_with_external_data(model_path, tmp_path, monkeypatch):
+    from onnxgrad import files
+
+    monkeypatch.setattr(files, "PROTOBUF_LIMIT", 10)          # stand-in for protobuf's 2 GB
+    model = onnx.load(model_path)
+    out = tmp_path / "big" / "m.onnx"
+    files.save_model(model, str(out))
+    assert (tmp_path / "big" / "m.onnx.data").exists()
+    loaded = onnx.load(str(out))                              # reads the tensors from beside it
+    np.testing.assert_array_equal(numpy_helper.to_array(loaded.graph.initializer[0]),
+                                  numpy_helper.to_array(model.graph.initializer[0]))
+    assert [p.name for p in tmp_path.joinpath("big").iterdir() if p.name.startswith(".")] == []
