@@ -136,3 +136,11 @@ def run_second_order(case: Case) -> None:
     onnx.checker.check_model(ggm, full_check=True)
     r = check(gm, ggm, feeds, max_elements=case.max_elements)
     assert r.ok(case.tol32), f"{case}: second-order gradient errors {r.errors}"
+
+
+def make_model(nodes, inputs, outputs, inits=(), opset=17) -> onnx.ModelProto:
+    """A model of these nodes at ``opset``, with an IR version onnxruntime loads."""
+    g = helper.make_graph(nodes, "m", inputs, outputs, list(inits))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = onnxgrad.model.emitted_ir_version(m)
+    return m

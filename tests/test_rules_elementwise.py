@@ -5,9 +5,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from harness import Case, case_model, distinct, randn, run_case
-from onnxgrad.check import Runner, check, gradient_spec
-from onnxgrad.registry import get_rule
+from harness import Case, distinct, make_model, randn, run_case, run_second_order
+from onnxgrad.check import Runner, check
 
 
 def away_from_zero(*shape, low=0.5, high=2.0):
@@ -127,42 +126,12 @@ def test_rule(case):
 
 
 # Ops the rules here emit whose own rules live in other modules (reductions, shapes).
-OTHER_FAMILIES = {"ReduceSum", "Reshape", "Flatten", "Expand", "Concat", "Squeeze", "Unsqueeze"}
-
-
-def check_second_order(case: Case) -> None:
-    """grad(grad(m)) of a table case, against central differences of grad(m) in float64.
-
-    Every op a rule emits must itself have a rule or be a stop op; ops of other rule
-    families that are not registered yet skip the case.
-    """
-    model, feeds, wrt = case_model(case)
-    g1 = onnxgrad.grad(model, wrt=wrt, of=["y0"])
-    unruled = {node.op_type for node in g1.graph.node if get_rule(node.op_type) is None}
-    assert not unruled - OTHER_FAMILIES, f"{case}: emitted ops without a rule: {unruled - OTHER_FAMILIES}"
-    spec = gradient_spec(g1)
-    try:
-        g2 = onnxgrad.grad(g1, wrt=wrt, of=[spec["gradients"][wrt[0]]], allow_unused=True)
-    except onnxgrad.UnsupportedOpError as e:
-        pytest.skip(f"needs the rules of {', '.join(sorted(e.ops))}")
-    onnx.checker.check_model(g2, full_check=True)
-    y = Runner(model)(feeds)["y0"]
-    r = check(g1, g2, {**feeds, spec["seeds"]["y0"]: randn(*y.shape).astype(y.dtype)},
-              max_elements=case.max_elements)
-    assert r.ok(case.tol32), f"{case}: second-order errors {r.errors}"
-
-
 # at a tie the first-order gradient jumps, so its central differences mean nothing there
 @pytest.mark.parametrize("case", [c for c in CASES if c.id != "tie"], ids=str)
 def test_second_order(case):
-    check_second_order(case)
+    run_second_order(case)
 
 
-def _model(nodes, inputs, outputs, inits=(), opset=17):
-    g = helper.make_graph(nodes, "m", inputs, outputs, list(inits))
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = onnxgrad.model.emitted_ir_version(m)
-    return m
 
 
 def test_max_three_way_tie_splits_evenly():
@@ -171,7 +140,7 @@ def test_max_three_way_tie_splits_evenly():
     b = np.array([[1.0, 0.0], [3.0, -1.0]], np.float32)
     c = np.array([[1.0, 0.0], [0.0, -2.0]], np.float32)
     vi = [helper.make_tensor_value_info(k, F32, [2, 2]) for k in "abc"]
-    m = _model([helper.make_node("Max", ["a", "b", "c"], ["y"])], vi,
+    m = make_model([helper.make_node("Max", ["a", "b", "c"], ["y"])], vi,
                [helper.make_tensor_value_info("y", F32, [2, 2])])
     gm = onnxgrad.grad(m, wrt=["a", "b", "c"], of=["y"])
     dy = np.array([[6.0, 1.0], [2.0, 4.0]], np.float32)
@@ -184,7 +153,7 @@ def test_max_three_way_tie_splits_evenly():
 def test_cast_to_integer_stops_the_gradient():
     """y = x * float(int(x)): only the direct path carries a gradient, dy/dx = trunc(x)."""
     x = np.array([[0.3, 1.6, -2.4], [2.2, -0.7, 3.5]], np.float32)
-    m = _model(
+    m = make_model(
         [helper.make_node("Cast", ["x"], ["i"], to=TensorProto.INT32),
          helper.make_node("Cast", ["i"], ["f"], to=TensorProto.FLOAT),
          helper.make_node("Mul", ["x", "f"], ["y"])],
@@ -202,7 +171,7 @@ def test_cast_to_integer_stops_the_gradient():
 
 def test_pow_constant_exponent_is_folded():
     """x ^ 2 differentiates to dy * (2 x): no Pow, Sub or Log in the backward graph."""
-    m = _model([helper.make_node("Pow", ["x", "p"], ["y"])],
+    m = make_model([helper.make_node("Pow", ["x", "p"], ["y"])],
                [helper.make_tensor_value_info("x", F32, [3])],
                [helper.make_tensor_value_info("y", F32, [3])],
                [numpy_helper.from_array(np.array(2.0, np.float32), "p")])
@@ -218,7 +187,7 @@ def test_cast_to_half():
     float64 central differences use the unrounded seed, a 2e-4 mismatch that is not the rule's.
     """
     x = randn(3, 4)
-    m = _model([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16)],
+    m = make_model([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT16)],
                [helper.make_tensor_value_info("x", F32, [3, 4])],
                [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [3, 4])])
     gm = onnxgrad.grad(m, wrt=["x"], of=["y"])
@@ -238,7 +207,7 @@ def test_erf_against_float64_differences(opset):
 
     x = randn(3, 4) * 1.5
     dy = randn(3, 4)
-    m = _model([helper.make_node("Erf", ["x"], ["y"])],
+    m = make_model([helper.make_node("Erf", ["x"], ["y"])],
                [helper.make_tensor_value_info("x", F32, [3, 4])],
                [helper.make_tensor_value_info("y", F32, [3, 4])], opset=opset)
     gm = onnxgrad.grad(m, wrt=["x"], of=["y"])
