@@ -272,6 +272,15 @@ def _backward_ops(case: Case) -> list[str]:
     return [node.op_type for node in gm.graph.node[1:] if node.op_type not in ("Constant", "Identity")]
 
 
+@pytest.mark.parametrize("pads", [[1, 1, 1, 1], [0, 2, 1, 0]])
+def test_wide_stride_one_conv_input_gradient_is_a_flipped_conv(pads):
+    """16+ channels, stride 1: dx is a Conv with the transposed, reversed kernel, not a ConvTranspose."""
+    case = Case("Conv", [randn(1, 16, 5, 6), randn(16, 16, 3, 3)], attrs=dict(pads=pads), wrt=[0])
+    ops = _backward_ops(case)
+    assert ops.count("Conv") == 1 and "ConvTranspose" not in ops
+    run_case(case)
+
+
 def test_conv_backward_is_one_conv_transpose_and_one_gemm():
     """ResNet-style 3x3 stride-1 conv: dx one ConvTranspose, dw one Gemm over the im2col columns
     (one Slice per tap of the padded x), db one ReduceSum; no Conv."""
@@ -325,14 +334,35 @@ def test_pool_backward_has_no_scatter_where_windows_do_not_overlap():
     assert ops.count("ScatterElements") == 1
 
 
-def test_max_pool_tiles_need_no_indices():
-    """2x2 windows tiling the image: ArgMax over SpaceToDepth tiles, no Indices output and no scatter."""
-    case = Case("MaxPool", [distinct(2, 3, 4, 6)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]))
+@pytest.mark.parametrize("k", [2, 3])
+def test_max_pool_tiles_need_no_indices(k):
+    """k x k windows tiling the image: no Indices output and no scatter; 2x2 compares four strided
+    Slices of x with y, larger tiles take the ArgMax over SpaceToDepth tiles."""
+    case = Case("MaxPool", [distinct(2, 3, 2 * k, 3 * k)], attrs=dict(kernel_shape=[k, k], strides=[k, k]))
     model, _, wrt = case_model(case)
     gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
     assert len(gm.graph.node[0].output) == 1
     ops = [node.op_type for node in gm.graph.node[1:]]
-    assert "ArgMax" in ops and not any(op.startswith("Scatter") for op in ops)
+    assert not any(op.startswith("Scatter") for op in ops)
+    if k == 2:
+        assert ops.count("Slice") == 4 and ops.count("Equal") == 4 and ops.count("Where") == 4
+        assert not {"ArgMax", "SpaceToDepth", "DepthToSpace"} & set(ops)
+    else:
+        assert "ArgMax" in ops
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
+def test_max_pool_tile_ties_go_to_the_first_maximum_in_every_float_type(dtype):
+    """2x2 tiles with ties in float64 (strided Slices) and float16 (ArgMax): the first maximum."""
+    rng = np.random.default_rng(5)
+    x = rng.integers(0, 3, (2, 3, 4, 6)).astype(np.float32)
+    case = Case("MaxPool", [x.astype(dtype)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]))
+    seed = rng.standard_normal((2, 3, 2, 3)).astype(dtype)
+    dx = _gradient(case, seed)
+    expected = np.zeros(x.size, dtype)
+    expected[_indices(x, kernel_shape=[2, 2], strides=[2, 2]).reshape(-1)] = seed.reshape(-1)
+    assert dx.dtype == dtype
+    np.testing.assert_array_equal(dx, expected.reshape(x.shape))
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -374,6 +404,7 @@ def test_unsupported_configurations_say_why(case, reason, nn_roi_align):
     Case("MaxPool", [distinct(1, 2, 7, 6)], attrs=dict(kernel_shape=[3, 3], strides=[2, 2]), opset=13),
     Case("MaxPool", [distinct(1, 2, 4, 6)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]), id="tiles"),
     Case("Conv", [randn(2, 3, 5, 4), randn(2, 3, 3, 3)], attrs=dict(pads=[1, 1, 1, 1]), id="conv-im2col"),
+    Case("Conv", [randn(1, 16, 4, 4), randn(16, 16, 3, 3)], attrs=dict(pads=[1, 0, 1, 1]), id="conv-flipped"),
     Case("LRN", [randn(2, 5, 3, 4)], attrs=dict(size=3, alpha=0.3, beta=0.75, bias=1.5)),
 ], ids=str)
 def test_second_order(case):
