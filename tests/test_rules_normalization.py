@@ -203,3 +203,17 @@ def _to_float16(model):
     for vi in list(m.graph.input) + [m.graph.output[0]]:  # LayerNormalization's statistics stay float32
             vi.type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
     return m
+
+
+def test_layer_norm_backward_full_size_passes():
+    """dx, dscale and dB of LayerNormalization take 8 full-size elementwise ops (x - Mean, dy * inv,
+    (dy * inv) * xc, its product with scale, g * inv, xc * k and two Subs), not 9 as when xhat is formed."""
+    case = Case("LayerNormalization", [randn(2, 3, 4), randn(4), randn(4)])
+    model, feeds, wrt = harness.case_model(case)
+    gm = onnx.shape_inference.infer_shapes(onnxgrad.grad(model, wrt=wrt, of=["y0"]))
+    shapes = {vi.name: [d.dim_value for d in vi.type.tensor_type.shape.dim]
+              for vi in list(gm.graph.value_info) + list(gm.graph.input) + list(gm.graph.output)}
+    full = [node.name for node in gm.graph.node
+            if node.op_type in ("Add", "Sub", "Mul", "Div") and shapes.get(node.output[0]) == [2, 3, 4]]
+    assert len(full) == 8, full
+    assert check(model, gm, feeds).ok(1e-3)
