@@ -22,7 +22,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from .builder import FLOAT_TYPES
-from .check import Runner, check, is_float_array, to_float64
+from .check import Runner, check, is_float_array, run_float64, to_float64
 from .model import RUNTIME_MAX_OPSET, has_subgraph, load, opset_of
 from .registry import NON_DIFFERENTIABLE, get_rule, get_schema
 
@@ -169,7 +169,7 @@ def run_case(case: BackendCase, seed: int = 0) -> Outcome:
                 if _nan_inside(model, feeds):
                     return Outcome(case.name, case.op_type, "skip", NAN_INSIDE)
                 return Outcome(case.name, case.op_type, "fail", f"non-finite gradient in {sorted(low_precision)}")
-            result = check(model, gm, feeds, rng=seed, max_elements=48, directions=3, analytic_run=_run_float64)
+            result = check(model, gm, feeds, rng=seed, max_elements=48, directions=3, analytic_run=run_float64)
         else:
             result = check(model, gm, feeds, rng=seed, max_elements=48, directions=3)
     except onnxgrad.UnsupportedOpError as e:
@@ -255,11 +255,6 @@ def _seeds(gm: onnx.ModelProto, forward: dict[str, np.ndarray]) -> dict[str, np.
     from .check import gradient_spec
 
     return {seed: np.ones_like(forward[o]) for o, seed in gradient_spec(gm)["seeds"].items()}
-
-
-def _run_float64(gm: onnx.ModelProto, feeds: dict) -> dict:
-    feeds = {k: np.asarray(v, np.float64) if is_float_array(v) else v for k, v in feeds.items()}
-    return Runner(to_float64(gm))(feeds)
 
 
 def _nan_inside(model: onnx.ModelProto, feeds: dict) -> bool:

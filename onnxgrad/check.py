@@ -174,6 +174,17 @@ def is_float_array(v: np.ndarray) -> bool:
     return np.asarray(v).dtype.kind == "f" or np.asarray(v).dtype.name == "bfloat16"
 
 
+def as_float64(feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Float arrays (bfloat16 included) as float64; integer and bool arrays as they are."""
+    return {k: np.asarray(v, np.float64) if is_float_array(v) else v for k, v in feeds.items()}
+
+
+def run_float64(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run ``model`` computing in float64 (its float64 copy, float feeds converted): the tight check
+    of a gradient graph's math, as ``check(..., analytic_run=run_float64)``."""
+    return Runner(to_float64(model))(as_float64(feeds))
+
+
 # -- inputs ---------------------------------------------------------------------------
 def random_inputs(model: onnx.ModelProto, rng: np.random.Generator | int = 0,
                   dim: int = 3) -> dict[str, np.ndarray]:
@@ -237,7 +248,7 @@ def check(
     """Compare ``grad_model``'s gradients (run in onnxruntime) with central differences of ``model``.
 
     ``analytic_run(grad_model, feeds) -> {output: value}`` replaces onnxruntime
-    (the tests use it to evaluate the float64 gradient graph too).
+    (``run_float64`` evaluates the same gradient graph in float64: the tight check).
     """
     from .model import load
 
@@ -248,7 +259,7 @@ def check(
     feeds = dict(inputs) if inputs is not None else random_inputs(model, rng)
 
     model64 = to_float64(model)
-    feeds64 = {k: (v.astype(np.float64) if is_float_array(v) else v) for k, v in feeds.items()}
+    feeds64 = as_float64(feeds)
     targets = [loss] if loss else list(of)
     inits = {i.name: numpy_helper.to_array(i) for i in model64.graph.initializer}
     intermediates = [w for w in wrt if w not in feeds64 and w not in inits]

@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad.check import Runner, check, gradient_spec, to_float64
+from onnxgrad.check import Runner, check, gradient_spec, run_float64
 
 RNG = np.random.default_rng(1234)
 
@@ -114,11 +114,8 @@ def run_case(case: Case, of: list[str] | None = None) -> onnxgrad.check.CheckRes
     r32 = check(model, gm, feeds, max_elements=case.max_elements)
     assert r32.ok(case.tol32), f"{case}: float32 gradient errors {r32.errors}"
 
-    def run64(gm_: onnx.ModelProto, gfeeds: dict) -> dict:
-        gfeeds = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in gfeeds.items()}
-        return Runner(to_float64(gm_))(gfeeds)
 
-    r64 = check(model, gm, feeds, max_elements=case.max_elements, analytic_run=run64)
+    r64 = check(model, gm, feeds, max_elements=case.max_elements, analytic_run=run_float64)
     assert r64.ok(case.tol64), f"{case}: float64 gradient errors {r64.errors}"
     return r64
 

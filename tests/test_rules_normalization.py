@@ -6,7 +6,7 @@ import pytest
 import harness
 import onnxgrad
 from harness import Case, randn, run_case
-from onnxgrad.check import Runner, check, to_float64
+from onnxgrad.check import Runner, check, run_float64
 
 
 def _gn(groups, **attrs):
@@ -117,13 +117,8 @@ def test_group_norm_18(case):
     gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])   # accepted although onnx's checker calls the op deprecated
     r32 = check(model, gm, feeds)
     assert r32.ok(case.tol32), r32.errors
-    r64 = check(model, gm, feeds, analytic_run=_run64)
+    r64 = check(model, gm, feeds, analytic_run=run_float64)
     assert r64.ok(case.tol64), r64.errors
-
-
-def _run64(gm, feeds):
-    feeds = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in feeds.items()}
-    return Runner(to_float64(gm))(feeds)
 
 
 # MeanVarianceNormalization: onnx's function body adds a float32 epsilon constant, so neither

@@ -5,7 +5,7 @@ import pytest
 
 import onnxgrad
 from harness import Case, case_model, distinct, randn, run_case, run_second_order
-from onnxgrad.check import Runner, check, to_float64
+from onnxgrad.check import Runner, check, run_float64
 
 
 def _axes(*values: int) -> np.ndarray:
@@ -147,11 +147,8 @@ def run_declared(case: Case, shapes: dict[str, list[int | None]] | None = None) 
     r32 = check(model, gm, feeds, max_elements=case.max_elements)
     assert r32.ok(case.tol32), f"{case}: float32 gradient errors {r32.errors}"
 
-    def run64(gm_, gfeeds):
-        gfeeds = {k: v.astype(np.float64) if v.dtype.kind == "f" else v for k, v in gfeeds.items()}
-        return Runner(to_float64(gm_))(gfeeds)
 
-    r64 = check(model, gm, feeds, max_elements=case.max_elements, analytic_run=run64)
+    r64 = check(model, gm, feeds, max_elements=case.max_elements, analytic_run=run_float64)
     assert r64.ok(case.tol64), f"{case}: float64 gradient errors {r64.errors}"
 
 
