@@ -20,7 +20,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from . import model as M
-from .builder import Builder, NameScope, TensorInfo, Var
+from .builder import Builder, NameScope, TensorInfo, Var, rename_tensors
 from .errors import NonFloatError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError
 from .registry import Node, Rule, get_rule, get_schema, schema_differentiable_inputs
 
@@ -235,7 +235,7 @@ class _Pass:
                     "Identity", [total.name], [out_name], name=self.names.fresh(f"{name}_grad/Identity"),
                     doc_string=f"gradient of '{name}'"))
             grad_outputs.append(self._value_info(out_name, name))
-        _rename(root.nodes, renames)
+        rename_tensors(root.nodes, renames)
         backward = _live_nodes(root.nodes, {o.name for o in grad_outputs})
         return self._assemble(backward, seed_inputs, grad_outputs)
 
@@ -338,19 +338,6 @@ class _Pass:
             out.opset_import.add(domain="", version=self.opset)
         out.ir_version = M.emitted_ir_version(out)
         return out
-
-
-def _rename(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None:
-    """Rename tensors where they are made and where they are read (one sweep)."""
-    if not renames:
-        return
-    for node in nodes:
-        for k, x in enumerate(node.input):
-            if x in renames:
-                node.input[k] = renames[x]
-        for k, y in enumerate(node.output):
-            if y in renames:
-                node.output[k] = renames[y]
 
 
 def _live_nodes(nodes: list[onnx.NodeProto], wanted: set[str]) -> list[onnx.NodeProto]:

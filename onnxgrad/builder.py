@@ -251,12 +251,16 @@ class Builder:
         if like.dtype is not None:
             return self.emit("Cast", [v], to=like.dtype)
         if self.opset < 15:
-            from .errors import UnsupportedOpError
-
-            op, node = self.op_type or "onnxgrad", self.prefix.split("/")[0]
-            raise UnsupportedOpError({op: node}, {op: f"the element type of '{like.name}' is unknown and "
-                                                      "CastLike needs opset 15; declare the model's types"})
+            self._decline(f"the element type of '{like.name}' is unknown and CastLike needs opset 15; "
+                          "declare the model's types")
         return self.emit("CastLike", [v, like])
+
+    def _decline(self, reason: str):
+        """The forward node this builder serves cannot be differentiated here: an UnsupportedOpError."""
+        from .errors import UnsupportedOpError
+
+        op, node = self.op_type or "onnxgrad", self.prefix.split("/")[0]
+        raise UnsupportedOpError({op: node}, {op: reason})
 
     def lift(self, x: Any, like: Var | None = None) -> Var:
         """Turn Python numbers into constants (of ``like``'s type); pass Vars through."""
@@ -274,7 +278,7 @@ class Builder:
             return self.emit(op_type, [x], keepdims=int(keepdims))
         if isinstance(axes, Var):
             if not axes_as_input:
-                raise NotImplementedError(f"{op_type} with dynamic axes needs opset 18")
+                self._decline(f"{op_type} over axes known only at run time needs opset 18")
             return self.emit(op_type, [x, axes], keepdims=int(keepdims))
         axes = list(axes)
         if axes_as_input:
@@ -318,13 +322,7 @@ class Builder:
             self.nodes.append(helper.make_node("Identity", [value.name], [name],
                                                name=self.names.fresh(f"{name}/Identity"), doc_string=self.doc))
         else:
-            for node in self.nodes:
-                for k, x in enumerate(node.input):
-                    if x == value.name:
-                        node.input[k] = name
-                for k, y in enumerate(node.output):
-                    if y == value.name:
-                        node.output[k] = name
+            rename_tensors(self.nodes, {value.name: name})
         self.infos[name] = self.infos.get(value.name, TensorInfo())
         value.name = name
         return value
@@ -381,6 +379,19 @@ class Builder:
         axes = self.emit("Reshape", [self.emit("NonZero", [self.emit("Equal", [padded, one])]), self.ints([-1])])
         summed = self.emit("ReduceSum", [grad, axes], keepdims=1, noop_with_empty_axes=1)
         return self.emit("Reshape", [summed, tshape])
+
+
+def rename_tensors(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None:
+    """Rename tensors where they are made and where they are read (one sweep)."""
+    if not renames:
+        return
+    for node in nodes:
+        for k, x in enumerate(node.input):
+            if x in renames:
+                node.input[k] = renames[x]
+        for k, y in enumerate(node.output):
+            if y in renames:
+                node.output[k] = renames[y]
 
 
 class NameScope:
