@@ -109,13 +109,6 @@ def schema_differentiable_inputs(schema: onnx.defs.OpSchema | None, n_inputs: in
     return tuple(out)
 
 
-def schema_non_differentiable_inputs(schema: onnx.defs.OpSchema | None, n_inputs: int) -> set[int]:
-    if schema is None or not schema.inputs:
-        return set()
-    cats = [p.differentiation_category for p in schema.inputs]
-    return {i for i in range(n_inputs) if cats[min(i, len(cats) - 1)] == NON_DIFFERENTIABLE}
-
-
 class Node:
     """What a rule sees of one forward node: its tensors as Vars, the seeds, attributes, and a builder.
 
