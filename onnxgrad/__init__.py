@@ -17,6 +17,7 @@ from .errors import (
     UnsupportedOpError,
     UnusedError,
 )
+from .params import parameters
 from .registry import register as register_rule
 from . import rules  # noqa: F401,E402  (registers the built-in rules)
 
@@ -39,6 +40,7 @@ __all__ = [
     "losses",
     "lower",
     "grad",
+    "parameters",
     "register_rule",
     "OnnxGradError",
     "InvalidModelError",

@@ -35,15 +35,17 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from . import graph as G
 from . import model as M
 from .autodiff import grad
 from .builder import Builder, NameScope, TensorInfo, Var
 from .check import gradient_spec
 from .errors import OnnxGradError, UnknownNameError
 from .optim import AdamW, Optimizer, UpdateContext
-from .registry import get_rule, get_schema, schema_differentiable_inputs
+from .params import ParameterReport, parameters
+from .train_mode import to_eval_mode, to_train_mode
 
-__all__ = ["TrainingSpec", "TrainingArtifacts", "build", "trainable_parameters", "META_KEY"]
+__all__ = ["TrainingSpec", "TrainingArtifacts", "build", "META_KEY"]
 
 META_KEY = "onnxgrad.training"
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
@@ -68,6 +70,9 @@ class TrainingSpec:
     accumulation_steps: int = 1
     guard: bool = True
     eval_outputs: list[str] = field(default_factory=list)
+    buffers: dict[str, list[str]] = field(default_factory=dict)    # running statistic -> [input, output]
+    train_mode: bool = False
+    grads: dict[str, str] = field(default_factory=dict)            # parameter -> gradient output (keep_grads)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -90,15 +95,33 @@ class TrainingArtifacts:
     train: onnx.ModelProto
     eval: onnx.ModelProto
     accumulate: onnx.ModelProto | None
-    loss_model: onnx.ModelProto       # forward + loss, parameters as initializers (what was differentiated)
-    forward: onnx.ModelProto          # forward outputs only, parameters as initializers
+    loss_model: onnx.ModelProto       # forward + loss, parameters as initializers (inference mode)
+    forward: onnx.ModelProto          # forward outputs only, parameters as initializers (inference mode)
     spec: TrainingSpec
     initial_params: dict[str, np.ndarray]
     initial_state: dict[str, dict[str, np.ndarray]]
+    report: ParameterReport | None = None          # every float initializer and why it trains or not
+    initial_buffers: dict[str, np.ndarray] = field(default_factory=dict)
 
     def eval_with_loss(self, defaults: bool = False) -> onnx.ModelProto:
-        """Forward outputs and the loss, trainable parameters as inputs (validation loss)."""
-        return _params_as_inputs(self.loss_model, self.spec.params, defaults)
+        """Forward outputs and the loss, trainable parameters and buffers as inputs (validation loss)."""
+        return _params_as_inputs(self.loss_model, list(self.spec.params) + list(self.spec.buffers), defaults)
+
+    def initial_values(self) -> dict[str, np.ndarray]:
+        """Every state input of the training graph (parameters, running statistics, optimizer state,
+        accumulators, ``lr``, ``step``) with its value before the first step."""
+        spec = self.spec
+        values: dict[str, np.ndarray] = dict(self.initial_params)
+        values.update(self.initial_buffers)
+        for p, states in self.initial_state.items():
+            for s, v in states.items():
+                values[spec.state[p][s][0]] = v
+        for p, (i, _) in spec.accumulators.items():
+            values[i] = np.zeros_like(self.initial_params[p])
+        if spec.lr:
+            values[spec.lr] = np.array(spec.optimizer["lr"], np.float32)
+            values[spec.step] = np.array(1, np.int64)
+        return values
 
 
 def build(
@@ -107,17 +130,27 @@ def build(
     optimizer: Optimizer | None = None,
     *,
     frozen: Iterable[str] = (),
+    trainable: Sequence[str] | None = None,
     clip_grad_norm: float | None = None,
     accumulation_steps: int = 1,
     guard: bool = True,
-    defaults: bool = True,
+    defaults: bool = False,
+    train_mode: bool = True,
+    keep_grads: bool = False,
+    strict_tags: bool = False,
 ) -> TrainingArtifacts:
     """Build the training, eval (and accumulation) models.
 
     ``loss``: the name of a scalar float output of ``model``, or a loss from
     :mod:`onnxgrad.losses` (``losses.CrossEntropyLoss(output="logits", target="y")``)
-    appended to the forward ``model``. Trainable parameters: every float
-    initializer with a differentiable path to the loss, minus ``frozen``.
+    appended to the forward ``model``. Trained: the parameters :func:`onnxgrad.parameters`
+    finds (PyTorch's parameters as they appear in the graph), minus ``frozen``; or exactly
+    ``trainable``. ``train_mode``: BatchNormalization on batch statistics with its running
+    statistics updated, Dropout active, as ``model.train()``; False keeps the exported
+    eval-mode graph (frozen-BN fine-tuning). ``defaults``: store the initial values as
+    initializers of the same names as the inputs (overridable defaults); without it every
+    parameter, buffer and state tensor is a required input and
+    :meth:`TrainingArtifacts.initial_values` holds their starting values.
     """
     optimizer = optimizer if optimizer is not None else AdamW()
     if not isinstance(optimizer, Optimizer):
@@ -126,7 +159,7 @@ def build(
         raise OnnxGradError(f"accumulation_steps must be a positive integer, got {accumulation_steps}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise OnnxGradError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
-    forward_in = M.load(model)
+    forward_in = to_eval_mode(M.load(model))
     if callable(loss):
         loss_model = loss(forward_in)
         loss_name = getattr(loss, "name", "loss")
@@ -139,62 +172,51 @@ def build(
         raise OnnxGradError(f"loss must be an output name or a loss from onnxgrad.losses, got {type(loss).__name__}")
     _check_loss(loss_model, loss_name)
     frozen = list(dict.fromkeys(frozen))
-    params = trainable_parameters(loss_model, loss_name, frozen)
+    report = parameters(loss_model, loss=loss_name, frozen=frozen, strict_tags=strict_tags)
+    params = _chosen(report, trainable, frozen) if trainable is not None else report.trainable
+    if not params:
+        left = "; ".join(p.line() for p in report.left_out[:8]) + (" ..." if len(report.left_out) > 8 else "")
+        raise OnnxGradError(f"nothing to train: no float initializer of the model is a trainable parameter for "
+                            f"loss '{loss_name}'" + (f" ({left})" if left else "")
+                            + "; name the tensors to train with trainable=[...]")
     if forward is None:
         outputs = [o.name for o in loss_model.graph.output if o.name != loss_name]
         forward = _prune(loss_model, outputs or [loss_name])
-    gm = grad(loss_model, wrt=params, loss=loss_name)
+    running: dict[str, str] = {}
+    differentiated = loss_model
+    if train_mode:
+        tm = to_train_mode(loss_model)
+        differentiated, running = tm.model, tm.running
+    gm = grad(differentiated, wrt=params, loss=loss_name, strict_tags=strict_tags)
     return _Builder(loss_model, forward, gm, loss_name, params, frozen, optimizer, clip_grad_norm,
-                    int(accumulation_steps), guard, defaults).run()
+                    int(accumulation_steps), guard, defaults, running, keep_grads, report).run()
 
 
-def trainable_parameters(model: onnx.ModelProto, loss: str, frozen: Sequence[str] = ()) -> list[str]:
-    """Float initializers with a path to ``loss`` through differentiable inputs, in model order, minus ``frozen``."""
-    g = model.graph
-    floats = [i.name for i in g.initializer if i.data_type in M.FLOAT_TYPES]
-    unknown = [f for f in frozen if f not in floats]
+def _chosen(report: ParameterReport, trainable: Sequence[str], frozen: Sequence[str]) -> list[str]:
+    """An explicit list of tensors to train: float initializers, minus the frozen ones."""
+    names = list(dict.fromkeys([trainable] if isinstance(trainable, str) else trainable))
+    unknown = [n for n in names if n not in report]
     if unknown:
-        raise UnknownNameError(f"frozen name(s) {', '.join(map(repr, unknown))} are not float initializers "
-                               f"of the model (initializers: {', '.join(floats[:20])}"
-                               f"{', ...' if len(floats) > 20 else ''})")
-    opset = M.opset_of(model)
-    marked = {loss}
-    for node in reversed(g.node):
-        if not any(o in marked for o in node.output if o):
-            continue
-        if M.has_subgraph(node):
-            marked.update(x for x in node.input if x)
-            marked |= M.subgraph_inputs(node)
-            continue
-        standard = node.domain in ("", "ai.onnx")
-        schema = get_schema(node.op_type, opset) if standard else None
-        rule = get_rule(node.op_type) if standard else None
-        n = len(node.input)
-        if rule is not None:
-            positions = rule.differentiable_inputs(schema, n)
-        else:
-            tagged = schema_differentiable_inputs(schema, n)
-            positions = tagged if tagged is not None else tuple(range(n))
-        marked.update(node.input[i] for i in positions if node.input[i])
-    params = [p for p in floats if p in marked and p not in frozen]
-    if not params:
-        raise OnnxGradError(f"nothing to train: no float initializer of the model influences loss '{loss}'"
-                            + (" (all are frozen)" if frozen else ""))
-    return params
+        raise UnknownNameError(f"trainable name(s) {', '.join(map(repr, unknown))} are not float initializers "
+                               "of the model")
+    return [n for n in names if n not in set(frozen)]
 
 
 # -- the builder --------------------------------------------------------------------------------
 class _Builder:
     def __init__(self, loss_model, forward, gm, loss, params, frozen, optimizer, clip, accumulation, guard,
-                 defaults):
+                 defaults, running, keep_grads, report):
         self.loss_model, self.forward, self.gm = loss_model, forward, gm
         self.loss, self.params, self.frozen = loss, params, frozen
         self.optimizer, self.clip, self.k = optimizer, clip, accumulation
         self.guard, self.defaults = guard, defaults
+        self.running, self.keep_grads, self.report = running, keep_grads, report
         inits = {i.name: i for i in loss_model.graph.initializer}
         self.initial = {p: numpy_helper.to_array(inits[p]) for p in params}
-        self.dtypes = {p: inits[p].data_type for p in params}
-        self.shapes = {p: tuple(inits[p].dims) for p in params}
+        self.initial_buffers = {r: numpy_helper.to_array(inits[r]) for r in running}
+        self.dtypes = {p: inits[p].data_type for p in list(params) + list(running)}
+        self.shapes = {p: tuple(inits[p].dims) for p in list(params) + list(running)}
+        self.torch_names = {p.name: p.torch_name for p in report} if report is not None else {}
         self.gradients = gradient_spec(gm)["gradients"]
         loss_vi = next(o for o in gm.graph.output if o.name == loss)
         self.loss_dtype = loss_vi.type.tensor_type.elem_type or TensorProto.FLOAT
@@ -210,11 +232,12 @@ class _Builder:
         _set_meta(train, spec)
         if accumulate is not None:
             _set_meta(accumulate, spec)
-        eval_model = _params_as_inputs(self.forward, self.params, self.defaults)
+        eval_model = _params_as_inputs(self.forward, list(self.params) + list(self.running), self.defaults)
         _set_meta(eval_model, spec)
-        initial_state = {p: self.optimizer.initial_state(v) for p, v in self.initial.items()}
+        initial_state = {p: self.optimizer.for_param(p, self.torch_names.get(p)).initial_state(v)
+                         for p, v in self.initial.items()}
         return TrainingArtifacts(train, eval_model, accumulate, self.loss_model, self.forward, spec,
-                                 dict(self.initial), initial_state)
+                                 dict(self.initial), initial_state, self.report, dict(self.initial_buffers))
 
     # One model: the gradient model with parameters as inputs and update nodes appended.
     def _model(self, accumulate: bool) -> tuple[onnx.ModelProto, TrainingSpec]:
@@ -236,6 +259,7 @@ class _Builder:
 
         # parameters become inputs; gradients stay inside; outputs: loss first
         _turn_into_inputs(g, self.params, self.defaults, doc="trainable parameter (current value)")
+        _turn_into_inputs(g, list(self.running), self.defaults, doc="running statistic (current value)")
         del g.output[:]
         g.output.append(helper.make_tensor_value_info(self.loss, self.loss_dtype, []))
         g.output[0].doc_string = "the loss of this batch (before the update)"
@@ -278,6 +302,13 @@ class _Builder:
         outputs.append((finite, "finite", TensorProto.BOOL, (),
                         "true when the loss and all gradients are finite; when false, do not use the outputs"
                         + (" (the graph returns the old values)" if self.guard else "")))
+        rb = b.scoped("train/running_statistics", "running statistics after this batch (train mode)")
+        for r, new_value in self.running.items():
+            value = rb.var(new_value)
+            if self.guard:
+                value = rb.op.Where(finite, value, rb.var(r))
+            outputs.append((value, f"{r}.next", self.dtypes[r], self.shapes[r],
+                            f"running statistic '{r}' after this batch (feed it back as '{r}')"))
         if accumulate:
             for p in self.params:
                 acc_names[p][1] = f"{acc_names[p][0]}.next"
@@ -295,6 +326,10 @@ class _Builder:
                 cb = b.scoped("train/clip", f"clip the global gradient norm to {self.clip}")
                 coef = cb.op.Min(cb.scalar(self.clip, norm) / (norm + CLIP_EPS), cb.scalar(1.0, norm))
                 grads = {p: grads[p] * _cast_to(cb, coef, self.dtypes[p]) for p in self.params}
+            if self.keep_grads:
+                for p in self.params:
+                    outputs.append((grads[p], f"{p}.grad", self.dtypes[p], self.shapes[p],
+                                    f"the gradient the update of '{p}' used (after accumulation and clipping)"))
 
             lr = add_input("lr", TensorProto.FLOAT, (), "learning rate of this update (float32 scalar)",
                            np.array(self.optimizer.lr, np.float32))
@@ -306,11 +341,12 @@ class _Builder:
             for p in self.params:
                 pb = ob.scoped(f"train/optimizer/{p}", f"{type(self.optimizer).__name__} update of '{p}'")
                 ctx.b = pb
-                init_state = self.optimizer.initial_state(self.initial[p])
+                optimizer = self.optimizer.for_param(p, self.torch_names.get(p))
+                init_state = optimizer.initial_state(self.initial[p])
                 state = {s: add_input(f"{p}.{s}", self.dtypes[p], self.shapes[p],
                                       f"optimizer state '{s}' of '{p}'", init_state[s])
-                         for s in self.optimizer.active_state()}
-                new_p, new_state = self.optimizer.update(ctx, pb.var(p), grads[p], state)
+                         for s in optimizer.active_state()}
+                new_p, new_state = optimizer.update(ctx, pb.var(p), grads[p], state)
                 if self.guard:
                     new_p = pb.op.Where(finite, new_p, pb.var(p))
                     new_state = {s: pb.op.Where(finite, v, state[s]) for s, v in new_state.items()}
@@ -344,7 +380,9 @@ class _Builder:
                                          for p, st in state_names.items()},
             accumulators={p: [i, final.get(o, o) if o else ""] for p, (i, o) in acc_names.items()},
             frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
-            accumulation_steps=self.k, guard=self.guard)
+            accumulation_steps=self.k, guard=self.guard,
+            buffers={r: [r, final[f"{r}.next"]] for r in self.running}, train_mode=bool(self.running),
+            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final})
         return m, spec
 
 
@@ -397,14 +435,8 @@ def _prune(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
-    needed = set(outputs)
-    keep = []
-    for node in reversed(g.node):
-        if any(o in needed for o in node.output if o):
-            keep.append(node)
-            needed.update(x for x in node.input if x)
-            needed |= M.subgraph_inputs(node)
-    keep.reverse()
+    needed = G.dependencies(g.node, outputs)
+    keep = [n for n in g.node if any(o in needed for o in n.output if o)]
     outs = [o for o in g.output if o.name in set(outputs)]
     ins = [i for i in g.input if i.name in needed]
     inits = [i for i in g.initializer if i.name in needed]

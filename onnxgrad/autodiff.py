@@ -19,10 +19,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from . import graph as G
 from . import model as M
 from .builder import Builder, NameScope, TensorInfo, Var, rename_tensors
 from .errors import NonFloatError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError
-from .registry import Node, Rule, get_rule, get_schema, schema_differentiable_inputs
+from .registry import Node, Rule
 
 __all__ = ["grad"]
 
@@ -33,22 +34,25 @@ def grad(
     of: Sequence[str] | str | None = None,
     loss: str | None = None,
     allow_unused: bool = False,
+    strict_tags: bool = False,
 ) -> onnx.ModelProto:
     """Append the backward graph to ``model``; return the new model.
 
     ``loss``: a scalar float output, seeded with 1. ``of``: float outputs, each
     seeded by a new graph input ``<name>_grad``. Neither: the single scalar
     float output is the loss, else every float output is seeded. ``wrt``:
-    tensors to differentiate (default: the float initializers the outputs
-    depend on); each gets a graph output ``<name>_grad``, in order, after the
-    original outputs.
+    tensors to differentiate (default: the model's trainable parameters, as
+    :func:`onnxgrad.parameters` decides them); each gets a graph output
+    ``<name>_grad``, in order, after the original outputs. ``strict_tags``: follow
+    the ONNX schemas' differentiability tags only, without the gradients PyTorch
+    computes beyond them (LSTM initial states, Clip bounds, GridSample's grid, ...).
     """
     # The pass allocates many small objects and frees nothing until it ends: the cyclic garbage
     # collector's passes over them would only make large graphs slower than linear.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _Pass(M.load(model), _names(wrt), _names(of), loss, allow_unused).run()
+        return _Pass(M.load(model), _names(wrt), _names(of), loss, allow_unused, strict_tags).run()
     finally:
         if enabled:
             gc.enable()
@@ -61,8 +65,9 @@ def _names(x: Sequence[str] | str | None) -> list[str] | None:
 
 
 class _Pass:
-    def __init__(self, model: onnx.ModelProto, wrt, of, loss, allow_unused: bool):
+    def __init__(self, model: onnx.ModelProto, wrt, of, loss, allow_unused: bool, strict_tags: bool = False):
         self.model = model
+        self.strict = strict_tags
         self.inferred = M.infer(model)
         self.opset = M.opset_of(model)
         self.infos, self.types = M.tensor_infos(self.inferred)
@@ -77,6 +82,9 @@ class _Pass:
         self.known = ({i.name for i in g.input} | {i.name for i in g.initializer}
                       | set(self.producer))
         self.loss, self.of = self._outputs(of, loss)
+        self.targets = {self.loss} if self.loss else set(self.of)
+        self.reach = G.gradient_reach(self.nodes, self.targets, self.opset, self.infos, self.strict,
+                                      self._positions)
         self.wrt = self._wrt(wrt)
         self.constants = M.constant_values(model, exclude=self.wrt)
 
@@ -115,9 +123,10 @@ class _Pass:
 
     def _wrt(self, wrt) -> list[str]:
         if wrt is None:
-            live = self._live({self.loss} if self.loss else set(self.of))
-            return [i.name for i in self.model.graph.initializer
-                    if i.data_type in M.FLOAT_TYPES and i.name in live]
+            from .params import parameters
+
+            return parameters(self.model, loss=self.loss, of=self.of or None, strict_tags=self.strict,
+                              _facts=(self.infos, self.reach)).trainable
         for name in wrt:
             if name not in self.known:
                 raise UnknownNameError(
@@ -128,60 +137,23 @@ class _Pass:
         return list(dict.fromkeys(wrt))
 
     # -- 2. the path ---------------------------------------------------------------
-    def _live(self, targets: set[str]) -> set[str]:
-        """Every tensor the targets depend on (through any input, subgraphs included)."""
-        live = set(targets)
-        for node in reversed(self.nodes):
-            if any(o in live for o in node.output):
-                live.update(x for x in node.input if x)
-                live |= M.subgraph_inputs(node)
-        return live
-
-    def _diff_positions(self, node: onnx.NodeProto, rule: Rule | None) -> tuple[int, ...]:
-        """Input positions that can carry a gradient (the rule's, else the schema's tags, else all)."""
-        key = (node.domain, node.op_type, len(node.input), rule is None)
-        if key not in self._positions:
-            n = len(node.input)
-            if rule is not None:
-                positions = rule.differentiable_inputs(self._schema(node), n)
-            else:
-                tagged = schema_differentiable_inputs(self._schema(node), n)
-                positions = tagged if tagged is not None else tuple(range(n))
-            self._positions[key] = positions
-        return self._positions[key]
-
-    def _schema(self, node: onnx.NodeProto):
-        if node.domain not in ("", "ai.onnx"):
-            return None
-        return get_schema(node.op_type, self.opset)
-
-    def _rule(self, node: onnx.NodeProto) -> Rule | None:
-        if node.domain not in ("", "ai.onnx") or M.has_subgraph(node):
-            return None
-        return get_rule(node.op_type)
-
     def _path(self) -> list[tuple[onnx.NodeProto, Rule, set[int]]]:
         """Nodes between wrt and the outputs, with the input positions each must differentiate."""
         requires = set(self.wrt)
-        candidates = []
+        path, unsupported, reasons = [], {}, {}
         for node in self.nodes:
-            rule = self._rule(node)
-            positions = self._diff_positions(node, rule)
+            rule = G.rule_of(node)
+            positions = self._positions_of(node)
             needed = {i for i in positions if node.input[i] in requires}
             inner = M.subgraph_inputs(node) & requires if M.has_subgraph(node) else set()
             if not needed and not inner:
                 continue
             if rule is not None and rule.stop:
                 continue
-            outs = [o for o in node.output if o and M.is_float(self.infos.get(o))]
-            requires.update(outs)
-            candidates.append((node, rule, needed, outs))
-        self.requires = requires
-        self.live = self._live({self.loss} if self.loss else set(self.of))
-        path, unsupported, reasons = [], {}, {}
-        for node, rule, needed, outs in candidates:
-            if not any(o in self.live for o in outs):
+            outs = [o for o in node.output if o in self.reach and M.is_float(self.infos.get(o))]
+            if not outs:            # nothing downstream of this node is differentiated
                 continue
+            requires.update(outs)
             if rule is None:
                 unsupported.setdefault(node.op_type, node.name)
                 if node.domain not in ("", "ai.onnx"):
@@ -190,18 +162,26 @@ class _Pass:
                     reasons[node.op_type] = "control flow with subgraphs"
                 continue
             path.append((node, rule, needed))
+        self.requires = requires
         if unsupported:
             raise UnsupportedOpError(unsupported, reasons)
         return path
+
+    def _positions_of(self, node: onnx.NodeProto) -> tuple[int, ...]:
+        return G.differentiable_positions(node, self.opset, self.strict, self._positions)
 
     # -- 3. the backward walk -------------------------------------------------------
     def run(self) -> onnx.ModelProto:
         path = self._path()
         for name in self.wrt:
-            if name not in self.live and not self.allow_unused:
-                raise UnusedError(
-                    f"wrt '{name}' does not influence {self._what()}; pass allow_unused=True "
-                    "to get zeros for it")
+            if name not in self.reach and not self.allow_unused:
+                if name in G.dependencies(self.nodes, self.targets):
+                    why = ("reaches it only through inputs that carry no gradient (a shape, an index, a "
+                           "comparison, an integer cast, a stop-gradient op)")
+                else:
+                    why = "does not influence it"
+                raise UnusedError(f"wrt '{name}' {why}: it has no gradient with respect to {self._what()}; "
+                                  "pass allow_unused=True to get zeros for it")
         g = self.model.graph
         taken = set(self.known) | {o.name for o in g.output} | {n.name for n in self.nodes}
         self.names = NameScope(taken)
@@ -236,7 +216,7 @@ class _Pass:
                     doc_string=f"gradient of '{name}'"))
             grad_outputs.append(self._value_info(out_name, name))
         rename_tensors(root.nodes, renames)
-        backward = _live_nodes(root.nodes, {o.name for o in grad_outputs})
+        backward = G.live_nodes(root.nodes, {o.name for o in grad_outputs})
         return self._assemble(backward, seed_inputs, grad_outputs)
 
     def _what(self) -> str:
@@ -280,7 +260,7 @@ class _Pass:
         if grads is None or isinstance(grads, Var):
             grads = [grads]
         grads = list(grads)
-        allowed = self._diff_positions(node, rule)
+        allowed = self._positions_of(node)
         while len(grads) > len(node.input) and grads[-1] is None:
             grads.pop()                     # trailing Nones for optional inputs the node leaves out
         if len(grads) > len(node.input):
@@ -339,13 +319,3 @@ class _Pass:
         out.ir_version = M.emitted_ir_version(out)
         return out
 
-
-def _live_nodes(nodes: list[onnx.NodeProto], wanted: set[str]) -> list[onnx.NodeProto]:
-    """Drop emitted nodes whose outputs nothing needs (rules may compute more than was asked)."""
-    needed = set(wanted)
-    keep = []
-    for node in reversed(nodes):
-        if any(o in needed for o in node.output):
-            keep.append(node)
-            needed.update(node.input)
-    return keep[::-1]

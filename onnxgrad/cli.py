@@ -3,7 +3,8 @@
 Training artifacts: ``python -m onnxgrad MODEL --loss-fn cross_entropy --target y --optimizer adamw
 [--lr ...]`` writes ``<stem>.train.onnx`` (forward + loss + backward + update) and ``<stem>.eval.onnx``.
 
-Also ``python -m onnxgrad ops`` (rule coverage of every ai.onnx op) and
+Also ``python -m onnxgrad ops`` (rule coverage of every ai.onnx op),
+``python -m onnxgrad params MODEL`` (what is trained, and why the rest is not) and
 ``python -m onnxgrad lower MODEL`` (replace ai.onnx.preview.training ops).
 User errors print one ``error: ...`` line on stderr and exit 2.
 """
@@ -17,7 +18,7 @@ from collections import Counter
 from typing import Sequence
 
 from .errors import OnnxGradError
-from .files import save_model
+from .files import save_arrays, save_model
 
 CHECK_TOLERANCE = 1e-3
 
@@ -27,18 +28,23 @@ def _grad_parser() -> argparse.ArgumentParser:
         prog="python -m onnxgrad",
         description="Append the backward graph to an ONNX model: gradients as standard ONNX ops.",
         epilog="Other commands: 'python -m onnxgrad ops' lists rule coverage of every ai.onnx op; "
-        "'python -m onnxgrad lower MODEL' replaces ai.onnx.preview.training ops by standard ones.",
+        "'python -m onnxgrad params MODEL' lists the trainable parameters and why other initializers are left "
+        "out; 'python -m onnxgrad lower MODEL' replaces ai.onnx.preview.training ops by standard ones.",
     )
     p.add_argument("model", help="the forward model (.onnx)")
     p.add_argument("-o", "--output", help="where to write the gradient model (default: <stem>.grad.onnx beside MODEL)")
     p.add_argument("--wrt", nargs="+", metavar="NAME",
-                   help="tensors to differentiate (default: every float initializer the outputs depend on)")
+                   help="tensors to differentiate (default: the model's trainable parameters, as "
+                   "'python -m onnxgrad params MODEL' lists them)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--of", nargs="+", metavar="NAME",
                        help="outputs to differentiate; each gets a seed input NAME_grad")
     group.add_argument("--loss", metavar="NAME", help="a scalar output to differentiate (seed 1)")
     p.add_argument("--allow-unused", action="store_true",
                    help="give zeros for wrt tensors the outputs do not depend on, instead of an error")
+    p.add_argument("--strict-tags", action="store_true",
+                   help="follow the ONNX schemas' differentiability tags only: no gradients for the inputs they "
+                   "tag non-differentiable but PyTorch differentiates (LSTM initial states, Clip bounds, ...)")
     p.add_argument("--check", action="store_true",
                    help="also compare the gradients with central differences on random inputs")
     p.add_argument("--seed", type=int, default=0, help="random seed for --check (default 0)")
@@ -81,6 +87,12 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
     tg.add_argument("--accumulation-steps", type=int, default=1, metavar="K",
                     help="average gradients over K micro-batches; also writes <stem>.accumulate.onnx")
     tg.add_argument("--freeze", nargs="+", default=[], metavar="NAME", help="initializers not to train")
+    tg.add_argument("--train", nargs="+", metavar="NAME",
+                    help="train exactly these initializers (default: the model's parameters, as "
+                    "'python -m onnxgrad params MODEL' lists them)")
+    tg.add_argument("--eval-mode", action="store_true",
+                    help="keep the exported eval-mode graph while training (BatchNormalization on its running "
+                    "statistics, Dropout off): frozen-BN fine-tuning; default: train mode, as model.train()")
     tg.add_argument("--eval-output", metavar="PATH", help="default: <stem>.eval.onnx beside MODEL")
 
 
@@ -101,6 +113,7 @@ def run_grad(args: argparse.Namespace) -> int:
     from . import check as C
     from .autodiff import grad
     from .model import load
+    from .params import parameters
 
     if args.optimizer:
         return run_train(args)
@@ -115,7 +128,16 @@ def run_grad(args: argparse.Namespace) -> int:
             raise OnnxGradError("--loss-fn appends the loss: do not also give --of or --loss")
         model = _loss_fn(args)(model)
         loss_name = "loss"
-    gm = grad(model, wrt=args.wrt, of=args.of, loss=loss_name, allow_unused=args.allow_unused)
+    report = None
+    if args.wrt is None:
+        report = parameters(model, loss=loss_name, of=args.of, strict_tags=args.strict_tags)
+        if not report.trainable:
+            left = "; ".join(p.line() for p in report.left_out[:5]) + (" ..." if len(report.left_out) > 5 else "")
+            raise OnnxGradError("no trainable parameter found" + (f" (float initializers left out: {left})" if left
+                                                                 else " (the model has no float initializer)")
+                                + "; name the tensors to differentiate with --wrt")
+    gm = grad(model, wrt=report.trainable if report is not None else args.wrt, of=args.of, loss=loss_name,
+              allow_unused=args.allow_unused, strict_tags=args.strict_tags)
     build_s = time.perf_counter() - t0
     save_model(gm, out_path)
 
@@ -132,8 +154,13 @@ def run_grad(args: argparse.Namespace) -> int:
     print(f"differentiated: {what}")
     for o, seed in spec["seeds"].items():
         print(f"  seed input {seed} {_shape_text(inputs[seed])}: dL/d{o}")
+    torch_names = {p.name: p.torch_name for p in report} if report is not None else {}
     for w, g in spec["gradients"].items():
-        print(f"  gradient {g} {_shape_text(outputs[g])}")
+        torch = f" (PyTorch '{torch_names[w]}')" if torch_names.get(w) not in (None, w) else ""
+        print(f"  gradient {g} {_shape_text(outputs[g])}{torch}")
+    if report is not None and report.left_out:
+        print(f"not differentiated: {len(report.left_out)} float initializer(s) that are not parameters "
+              f"('python -m onnxgrad params {args.model}' says why)")
     if args.check:
         t1 = time.perf_counter()
         result = C.check(model, gm, rng=args.seed)
@@ -209,27 +236,53 @@ def run_train(args: argparse.Namespace) -> int:
             raise OnnxGradError(f"output '{path}' is the input model; choose another path")
     loss = _loss_fn(args) if args.loss_fn else (args.loss or "loss")
     t0 = time.perf_counter()
-    art = artifacts.build(args.model, loss, _optimizer(args), frozen=args.freeze,
+    art = artifacts.build(args.model, loss, _optimizer(args), frozen=args.freeze, trainable=args.train,
                           clip_grad_norm=args.clip_grad_norm, accumulation_steps=args.accumulation_steps,
-                          guard=True, defaults=True)
+                          guard=True, defaults=False, train_mode=not args.eval_mode)
     build_s = time.perf_counter() - t0
+    init_path = (out_path[:-5] if out_path.endswith(".onnx") else out_path) + ".init.npz"
     save_model(art.train, out_path)
     save_model(art.eval, eval_path)
+    save_arrays(art.initial_values(), init_path)
     spec = art.spec
     print(f"wrote {out_path} (training: forward + loss + backward + {spec.optimizer['type']} update, "
-          "one run per step)")
-    print(f"wrote {eval_path} (eval: forward outputs, parameters as inputs)")
+          "one run per step" + (", BatchNormalization/Dropout in train mode" if spec.train_mode else "") + ")")
+    print(f"wrote {eval_path} (eval: forward outputs; parameters{' and running statistics' if spec.buffers else ''} "
+          "are required inputs)")
+    print(f"wrote {init_path} (the value of every state input before the first step; feed each "
+          "<name>.next output back as <name>)")
     if art.accumulate is not None:
         save_model(art.accumulate, acc_path)
         print(f"wrote {acc_path} (accumulation: adds one micro-batch's gradients to the <param>.grad_acc inputs)")
-    print(f"built in {build_s:.3f} s; {len(spec.params)} trainable parameter(s)"
-          + (f", frozen: {', '.join(spec.frozen)}" if spec.frozen else ""))
+    print(f"built in {build_s:.3f} s")
+    for line in art.report.lines() if art.report is not None else []:
+        print(line)
     print("optimizer: " + ", ".join(f"{k}={v}" for k, v in spec.optimizer.items()))
-    for line in _io_table("training inputs (parameters and state default to their initial values):",
+    for line in _io_table(f"training inputs (state inputs start from {os.path.basename(init_path)}):",
                           art.train.graph.input):
         print(line)
     for line in _io_table("training outputs (feed each <name>.next back as <name> for the next step):",
                           art.train.graph.output):
+        print(line)
+    return 0
+
+
+def run_params(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m onnxgrad params",
+                                description="List the tensors onnxgrad trains by default (with their PyTorch "
+                                "names where the exporter recorded them) and the float initializers it leaves "
+                                "out, with the reason.")
+    p.add_argument("model")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--of", nargs="+", metavar="NAME", help="differentiated outputs")
+    group.add_argument("--loss", metavar="NAME", help="the scalar loss output")
+    p.add_argument("--freeze", nargs="+", default=[], metavar="NAME", help="initializers not to train")
+    p.add_argument("--strict-tags", action="store_true", help="follow the ONNX differentiability tags only")
+    args = p.parse_args(argv)
+    from .params import parameters
+
+    report = parameters(args.model, loss=args.loss, of=args.of, frozen=args.freeze, strict_tags=args.strict_tags)
+    for line in report.lines():
         print(line)
     return 0
 
@@ -264,7 +317,7 @@ def run_lower(argv: Sequence[str]) -> int:
     return 0
 
 
-COMMANDS = {"ops": run_ops, "lower": run_lower}
+COMMANDS = {"ops": run_ops, "lower": run_lower, "params": run_params}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

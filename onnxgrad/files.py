@@ -13,14 +13,22 @@ PROTOBUF_LIMIT = 2_000_000_000
 
 
 def atomic_write(path: str, write: Callable[[Any], None]) -> None:
-    """Write via a temporary file in the same folder, fsync it, and rename it over ``path``."""
+    """Write via a temporary file in the same folder, fsync it, and rename it over ``path``.
+
+    The file gets the permissions a plain ``open`` would give it (0666 less the umask).
+    Temporary files that an earlier writer left behind when it was killed mid-write
+    (their process is gone) are removed first.
+    """
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    prefix = f".{os.path.basename(path)}."
+    _remove_stale_temporaries(folder, prefix)
+    fd, tmp = tempfile.mkstemp(prefix=f"{prefix}{os.getpid()}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
@@ -41,6 +49,42 @@ def atomic_write(path: str, write: Callable[[Any], None]) -> None:
         os.close(dfd)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _remove_stale_temporaries(folder: str, prefix: str) -> None:
+    """Delete ``<prefix><pid>.*.tmp`` files whose writing process no longer exists."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        pid = name[len(prefix):].split(".", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(folder, name))
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True           # another thread of this process may be writing it
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:           # exists, owned by someone else
+        return True
+    return True
+
+
 def save_model(model: onnx.ModelProto, path: str) -> None:
     """Save a model atomically. One over protobuf's 2 GB limit keeps its tensors in ``<path>.data``,
     written first (to a temporary file renamed into place), then the model file."""
@@ -58,3 +102,10 @@ def save_model(model: onnx.ModelProto, path: str) -> None:
         onnx.external_data_helper.write_external_data_tensors(copy, scratch)
         os.replace(os.path.join(scratch, data), os.path.join(folder, data))
     atomic_write(path, lambda f: f.write(copy.SerializeToString()))
+
+
+def save_arrays(arrays: "dict[str, Any]", path: str) -> None:
+    """Save named arrays as an ``.npz`` file (numpy.load reads it), atomically."""
+    import numpy as np
+
+    atomic_write(path, lambda f: np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()}))

@@ -23,7 +23,8 @@ runs it slower than two ``Add``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar
+import re
+from typing import Any, Callable, ClassVar, Mapping, Sequence
 
 import numpy as np
 from onnx import TensorProto
@@ -121,13 +122,53 @@ class Optimizer:
     state_names: ClassVar[tuple[str, ...]] = ()
     defaults: ClassVar[dict[str, Any]] = {}
 
-    def __init__(self, **hyper: Any):
+    def __init__(self, param_groups: Sequence[Mapping[str, Any]] | None = None, **hyper: Any):
         self.hyper = {**self.defaults, **hyper}
         for k in hyper:
             if k not in self.defaults:
                 raise OptimizerError(f"{type(self).__name__} has no option '{k}' "
                                      f"(options: {', '.join(self.defaults)})")
         self._validate()
+        self.param_groups = [self._group(g) for g in (param_groups or [])]
+        self._for: dict[tuple, Optimizer] = {}
+
+    def _group(self, group: Mapping[str, Any]) -> dict[str, Any]:
+        """A parameter group as PyTorch writes them, with ``params`` a regex or a list of names."""
+        group = dict(group)
+        if "params" not in group:
+            raise OptimizerError("a parameter group needs 'params': a regular expression or a list of names")
+        params = group.pop("params")
+        if isinstance(params, str):
+            try:
+                re.compile(params)
+            except re.error as e:
+                raise OptimizerError(f"parameter group pattern {params!r} is not a regular expression: {e}") from None
+        elif isinstance(params, (list, tuple)) and all(isinstance(p, str) for p in params):
+            params = list(params)
+        else:
+            raise OptimizerError("a parameter group's 'params' must be a regular expression or a list of names")
+        if "lr" in group:
+            raise OptimizerError("per-group learning rates are not supported: the learning rate is one graph input "
+                                 "(set TrainingSession.lr); groups may change the other options")
+        type(self)(**{**self.hyper, **group})          # validates the overrides
+        return {"params": params, **group}
+
+    def for_param(self, name: str, torch_name: str | None = None) -> "Optimizer":
+        """The optimizer of one parameter: this one, or the first group whose ``params`` match its
+        initializer name or PyTorch name (a regex is searched for, a list is matched exactly)."""
+        for k, group in enumerate(self.param_groups):
+            pattern = group["params"]
+            names = [n for n in (name, torch_name) if n]
+            if isinstance(pattern, str):
+                hit = any(re.search(pattern, n) for n in names)
+            else:
+                hit = any(n in pattern for n in names)
+            if hit:
+                if k not in self._for:
+                    overrides = {key: v for key, v in group.items() if key != "params"}
+                    self._for[k] = type(self)(**{**self.hyper, **overrides})
+                return self._for[k]
+        return self
 
     def __getattr__(self, name: str) -> Any:
         hyper = self.__dict__.get("hyper")
@@ -159,10 +200,15 @@ class Optimizer:
     def config(self) -> dict[str, Any]:
         """JSON-able description, for checkpoints and model metadata (``from_config`` reads it back)."""
         hyper = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.hyper.items()}
-        return {"type": type(self).__name__, **hyper}
+        config = {"type": type(self).__name__, **hyper}
+        if self.param_groups:
+            config["param_groups"] = [{k: (list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+                                      for g in self.param_groups]
+        return config
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(" + ", ".join(f"{k}={v!r}" for k, v in self.hyper.items()) + ")"
+        groups = f", param_groups={self.param_groups!r}" if self.param_groups else ""
+        return f"{type(self).__name__}(" + ", ".join(f"{k}={v!r}" for k, v in self.hyper.items()) + groups + ")"
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Optimizer) and self.config() == other.config()
@@ -181,8 +227,8 @@ class SGD(Optimizer):
     defaults = {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "nesterov": False, "weight_decay": 0.0}
 
     def __init__(self, lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0, nesterov: bool = False,
-                 weight_decay: float = 0.0):
-        super().__init__(lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
+                 weight_decay: float = 0.0, param_groups: Sequence[Mapping[str, Any]] | None = None):
+        super().__init__(param_groups, lr=lr, momentum=momentum, dampening=dampening, nesterov=nesterov,
                          weight_decay=weight_decay)
 
     def _validate(self) -> None:
@@ -235,8 +281,9 @@ class Adam(Optimizer):
     decoupled = False
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
-        super().__init__(lr=lr, betas=tuple(float(b) for b in betas), eps=eps, weight_decay=weight_decay)
+                 weight_decay: float = 0.0, param_groups: Sequence[Mapping[str, Any]] | None = None):
+        super().__init__(param_groups, lr=lr, betas=tuple(float(b) for b in betas), eps=eps,
+                         weight_decay=weight_decay)
 
     def _validate(self) -> None:
         super()._validate()
@@ -277,8 +324,8 @@ class AdamW(Adam):
     decoupled = True
 
     def __init__(self, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 1e-2):
-        super().__init__(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+                 weight_decay: float = 1e-2, param_groups: Sequence[Mapping[str, Any]] | None = None):
+        super().__init__(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, param_groups=param_groups)
 
 
 class Adagrad(Optimizer):
@@ -294,8 +341,9 @@ class Adagrad(Optimizer):
     defaults = {"lr": 1e-2, "lr_decay": 0.0, "weight_decay": 0.0, "initial_accumulator_value": 0.0, "eps": 1e-10}
 
     def __init__(self, lr: float = 1e-2, lr_decay: float = 0.0, weight_decay: float = 0.0,
-                 initial_accumulator_value: float = 0.0, eps: float = 1e-10):
-        super().__init__(lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
+                 initial_accumulator_value: float = 0.0, eps: float = 1e-10,
+                 param_groups: Sequence[Mapping[str, Any]] | None = None):
+        super().__init__(param_groups, lr=lr, lr_decay=lr_decay, weight_decay=weight_decay,
                          initial_accumulator_value=initial_accumulator_value, eps=eps)
 
     def _validate(self) -> None:

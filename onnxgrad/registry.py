@@ -15,6 +15,10 @@ input of the forward node: a :class:`Var` (the gradient of that input), or
 - ``inputs``: which input positions the rule differentiates. Default: those
   the op schema tags Differentiable (the schema is the source of truth); ops
   whose schemas are untagged must say.
+- ``beyond_tags``: float input positions the schema tags NonDifferentiable
+  although the function has a derivative that PyTorch computes (Clip's bounds,
+  GridSample's grid, the recurrent ops' initial states, ...). They carry
+  gradients by default; ``strict=True`` follows the tags alone.
 - ``stop``: the op's derivative is zero or undefined everywhere it matters
   (Floor, Sign, ArgMax, ...): gradients stop here, silently.
 """
@@ -45,29 +49,36 @@ class Rule:
     inputs: tuple[int, ...] | None = None
     stop: bool = False
     doc: str = ""
+    beyond_tags: tuple[int, ...] = ()
 
-    def differentiable_inputs(self, schema: onnx.defs.OpSchema | None, n_inputs: int) -> tuple[int, ...]:
-        """Positions this rule gives gradients for: its own list, else the schema's Differentiable tags."""
+    def differentiable_inputs(self, schema: onnx.defs.OpSchema | None, n_inputs: int,
+                              strict: bool = False) -> tuple[int, ...]:
+        """Positions this rule gives gradients for: its own list, else the schema's Differentiable tags,
+        plus the positions it differentiates beyond the tags (as PyTorch does) unless ``strict``."""
         if self.stop:
             return ()
         if self.inputs is not None:
-            return tuple(i for i in self.inputs if i < n_inputs)
-        tagged = schema_differentiable_inputs(schema, n_inputs)
-        if tagged is None:
-            raise ValueError(f"rule for untagged op {self.op_type} must list its inputs")
-        return tagged
+            own = tuple(i for i in self.inputs if i < n_inputs)
+        else:
+            own = schema_differentiable_inputs(schema, n_inputs)
+            if own is None:
+                raise ValueError(f"rule for untagged op {self.op_type} must list its inputs")
+        if strict:
+            return own
+        return tuple(sorted(set(own) | {i for i in self.beyond_tags if i < n_inputs}))
 
 
 _RULES: dict[str, Rule] = {}
 
 
-def register(*op_types: str, broadcast: bool = False, inputs: Sequence[int] | None = None):
+def register(*op_types: str, broadcast: bool = False, inputs: Sequence[int] | None = None,
+             beyond_tags: Sequence[int] = ()):
     """Decorator: register ``fn`` as the gradient rule of ``op_types``."""
 
     def deco(fn: Callable[["Node"], Gradients]):
         for op in op_types:
             _RULES[op] = Rule(op, fn, broadcast, tuple(inputs) if inputs is not None else None,
-                              doc=(fn.__doc__ or "").strip())
+                              doc=(fn.__doc__ or "").strip(), beyond_tags=tuple(beyond_tags))
         return fn
 
     return deco
@@ -85,6 +96,12 @@ def get_rule(op_type: str) -> Rule | None:
 
 def all_rules() -> dict[str, Rule]:
     return dict(_RULES)
+
+
+def beyond_tags_inputs(op_type: str) -> tuple[int, ...]:
+    """Input positions of ``op_type`` tagged NonDifferentiable that its rule differentiates (as PyTorch does)."""
+    rule = _RULES.get(op_type)
+    return () if rule is None else rule.beyond_tags
 
 
 def get_schema(op_type: str, opset: int) -> onnx.defs.OpSchema | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import math
 import os
 import warnings
 import zipfile
@@ -32,7 +33,7 @@ from onnx import helper, numpy_helper
 
 from . import artifacts as A
 from .errors import OnnxGradError, UnknownNameError
-from .files import atomic_write
+from .files import atomic_write, save_model
 from .optim import Optimizer, from_config
 
 __all__ = ["TrainingSession", "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError",
@@ -77,8 +78,14 @@ class TrainingSession:
 
     ``model``: a model with a scalar loss output (``loss`` names it), or a forward
     model and a loss from :mod:`onnxgrad.losses` as ``loss``. ``optimizer``: from
-    :mod:`onnxgrad.optim` (default ``AdamW()``). ``frozen``: initializers not to
-    train. ``clip_grad_norm``: clip the global gradient norm (as
+    :mod:`onnxgrad.optim` (default ``AdamW()``; ``param_groups`` set options per name
+    pattern). Trained: PyTorch's parameters as they appear in the graph
+    (:func:`onnxgrad.parameters` says which and why), minus ``frozen``; or exactly
+    ``trainable``. ``train_mode`` (default True): ``step`` trains as ``model.train()``
+    does (BatchNormalization on batch statistics, running statistics updated, Dropout
+    active) while ``eval`` and ``export`` use inference mode; False keeps the exported
+    eval-mode graph (frozen-BN fine-tuning). ``keep_grads``: keep the last update's
+    gradients for :meth:`grads`. ``clip_grad_norm``: clip the global gradient norm (as
     ``torch.nn.utils.clip_grad_norm_``). ``accumulation_steps=k``: each ``step``
     call is one micro-batch and every k-th applies the mean of their gradients.
     ``on_nonfinite``: "raise" or "skip". ``providers``: onnxruntime execution
@@ -97,18 +104,26 @@ class TrainingSession:
         providers: Sequence[Any] | None = None,
         frozen: Iterable[str] = (),
         *,
+        trainable: Sequence[str] | None = None,
+        train_mode: bool = True,
+        keep_grads: bool = False,
         clip_grad_norm: float | None = None,
         accumulation_steps: int = 1,
         on_nonfinite: str = "raise",
         session_options: Any = None,
+        strict_tags: bool = False,
     ):
         import onnxruntime as ort
 
         if on_nonfinite not in ("raise", "skip"):
             raise OnnxGradError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
-        self.artifacts = A.build(model, loss, optimizer, frozen=frozen, clip_grad_norm=clip_grad_norm,
-                                 accumulation_steps=accumulation_steps, guard=False, defaults=False)
+        self.artifacts = A.build(model, loss, optimizer, frozen=frozen, trainable=trainable,
+                                 clip_grad_norm=clip_grad_norm, accumulation_steps=accumulation_steps, guard=False,
+                                 defaults=False, train_mode=train_mode, keep_grads=keep_grads,
+                                 strict_tags=strict_tags)
+        self._explicit = trainable is not None
+        self._strict_tags = strict_tags
         spec = self.artifacts.spec
         self.spec = spec
         self.optimizer = from_config(spec.optimizer)
@@ -139,6 +154,7 @@ class TrainingSession:
         self._bindings: list[Any] | None = None            # one prebuilt IOBinding per parity
         self._layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         values = dict(self.artifacts.initial_params)
+        values.update(self.artifacts.initial_buffers)
         for p, states in self.artifacts.initial_state.items():
             for s, v in states.items():
                 values[spec.state[p][s][0]] = v
@@ -153,6 +169,7 @@ class TrainingSession:
                                for p, (i, _) in spec.accumulators.items()} for _ in range(2)]
             self._acc_parity = 0
         self._acc_valid = False
+        self._grad_bufs = {p: self._empty_like(self.artifacts.initial_params[p]) for p in spec.grads}
         self._scalars = {k: ort.OrtValue.ortvalue_from_shape_and_type([], dt, "cpu", 0)
                          for k, dt in (("loss", self._dtype_of(spec.loss)), ("finite", np.bool_),
                                        ("grad_norm", np.float32))}
@@ -170,13 +187,17 @@ class TrainingSession:
         ``lr`` overrides the session's learning rate ``self.lr`` for this step.
         """
         spec = self.spec
+        rate = self.lr if lr is None else lr
+        if not isinstance(rate, (int, float, np.floating, np.integer)) or not math.isfinite(rate) or rate < 0:
+            raise OnnxGradError(f"step: the learning rate must be a finite number >= 0, got {rate!r}; "
+                                "nothing was changed")
         data = self._data(feeds, spec.data_inputs, "step")
         if self._micro < spec.accumulation_steps - 1:
             return self._accumulate_step(data)
         io_ = self._train_binding()
         for name, arr in data.items():
             io_.bind_cpu_input(name, arr)
-        io_.bind_cpu_input(spec.lr, np.array(self.lr if lr is None else lr, np.float32))
+        io_.bind_cpu_input(spec.lr, np.array(rate, np.float32))
         io_.bind_cpu_input(spec.step, np.array(self.step_count + 1, np.int64))
         if spec.accumulation_steps > 1:
             for name, ov in self._acc_source().items():
@@ -216,6 +237,8 @@ class TrainingSession:
                 io_.bind_ortvalue_output(spec.loss, self._scalars["loss"])
                 io_.bind_ortvalue_output(spec.finite, self._scalars["finite"])
                 io_.bind_ortvalue_output(spec.grad_norm, self._scalars["grad_norm"])
+                for p, out in spec.grads.items():
+                    io_.bind_ortvalue_output(out, self._grad_bufs[p])
                 self._bindings.append(io_)
         return self._bindings[self._parity]
 
@@ -227,6 +250,10 @@ class TrainingSession:
             io_.bind_cpu_input(name, arr)
         for name in spec.params:
             io_.bind_ortvalue_input(name, self._cur[name])
+        spare = self._sets[1 - self._parity]
+        for name, (i, o) in spec.buffers.items():
+            io_.bind_ortvalue_input(i, self._cur[name])
+            io_.bind_ortvalue_output(o, spare[name])
         src = self._acc_source()
         dst = self._acc_bufs[1 - self._acc_parity]
         for i, o in spec.accumulators.values():
@@ -239,6 +266,10 @@ class TrainingSession:
         if bool(self._acc_scalars["finite"].numpy()):
             self._acc_parity = 1 - self._acc_parity
             self._acc_valid = True
+            for name in spec.buffers:      # this micro-batch's running statistics become the current ones
+                self._sets[0][name], self._sets[1][name] = self._sets[1][name], self._sets[0][name]
+            if spec.buffers:
+                self._bindings = None
         elif self.on_nonfinite == "raise":
             self._not_finite(loss, "this micro-batch was not accumulated")
         else:
@@ -291,6 +322,16 @@ class TrainingSession:
                 out[init.name] = numpy_helper.to_array(init).copy()
         return out
 
+    def buffers(self) -> dict[str, np.ndarray]:
+        """``{initializer name: array}``: the running statistics train mode updates (empty otherwise)."""
+        return {name: np.array(self._cur[name].numpy()) for name in self.spec.buffers}
+
+    def grads(self) -> dict[str, np.ndarray]:
+        """The gradients the last update used, ``{parameter: array}`` (needs ``keep_grads=True``)."""
+        if not self.spec.grads:
+            raise OnnxGradError("grads() needs a session built with keep_grads=True")
+        return {p: np.array(v.numpy()) for p, v in self._grad_bufs.items()}
+
     def optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
         """``{parameter: {state name: array}}``, e.g. ``{"W": {"exp_avg": ..., "exp_avg_sq": ...}}``."""
         return {p: {s: np.array(self._cur[i].numpy()) for s, (i, _) in st.items()}
@@ -305,16 +346,15 @@ class TrainingSession:
 
     def export(self, path: str | os.PathLike) -> None:
         """Write the forward model with the current weights (an inference model), atomically."""
-        m = self.exported_model()
-        atomic_write(os.fspath(path), lambda f: f.write(m.SerializeToString()))
+        save_model(self.exported_model(), os.fspath(path))
 
     def exported_model(self) -> onnx.ModelProto:
         m = onnx.ModelProto()
         m.CopyFrom(self.artifacts.forward)
-        params = self.parameters()
+        values = {**self.parameters(), **self.buffers()}
         for init in m.graph.initializer:
-            if init.name in self.spec.params:
-                init.CopyFrom(numpy_helper.from_array(params[init.name], init.name))
+            if init.name in self.spec.params or init.name in self.spec.buffers:
+                init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
         return m
 
     # -- checkpoints ---------------------------------------------------------------------------------------
@@ -327,6 +367,8 @@ class TrainingSession:
         arrays: list[tuple[dict, np.ndarray]] = []
         for p in self.spec.params:
             arrays.append(({"kind": "param", "name": p}, self._cur[p].numpy()))
+        for r in self.spec.buffers:
+            arrays.append(({"kind": "buffer", "name": r}, self._cur[r].numpy()))
         for p, st in self.spec.state.items():
             for s, (i, _) in st.items():
                 arrays.append(({"kind": "state", "param": p, "state": s}, self._cur[i].numpy()))
@@ -346,6 +388,10 @@ class TrainingSession:
             "loss": self.spec.loss,
             "optimizer": self.spec.optimizer,
             "frozen": self.spec.frozen,
+            "trainable": list(self.spec.params),
+            "train_mode": self.spec.train_mode,
+            "keep_grads": bool(self.spec.grads),
+            "strict_tags": self._strict_tags,
             "clip_grad_norm": self.spec.clip_grad_norm,
             "accumulation_steps": self.spec.accumulation_steps,
             "on_nonfinite": self.on_nonfinite,
@@ -359,7 +405,8 @@ class TrainingSession:
                 z.writestr("model.onnx", model_bytes)
                 for k, (_, a) in enumerate(arrays):
                     with z.open(f"arrays/{k}.npy", "w", force_zip64=True) as member:
-                        np.lib.format.write_array(member, np.ascontiguousarray(a), allow_pickle=False)
+                        # np.ascontiguousarray would turn a 0-d array into a 1-d one
+                        np.lib.format.write_array(member, np.asarray(a, order="C"), allow_pickle=False)
 
         atomic_write(os.fspath(path), write)
 
@@ -371,7 +418,7 @@ class TrainingSession:
         model = onnx.ModelProto()
         try:
             model.ParseFromString(model_bytes)
-            params = {a["name"]: v for a, v in zip(header["arrays"], arrays) if a["kind"] == "param"}
+            params = {a["name"]: v for a, v in zip(header["arrays"], arrays) if a["kind"] in ("param", "buffer")}
             _fill_initializers(model, params)
             optimizer = from_config(header["optimizer"])
         except CheckpointError:
@@ -380,8 +427,10 @@ class TrainingSession:
             raise CorruptCheckpointError(f"checkpoint '{os.fspath(path)}': cannot rebuild its model: "
                                          f"{type(e).__name__}: {e}") from None
         s = cls(model, loss=header["loss"], optimizer=optimizer, providers=providers, frozen=header["frozen"],
-                clip_grad_norm=header["clip_grad_norm"], accumulation_steps=header["accumulation_steps"],
-                on_nonfinite=header["on_nonfinite"], session_options=session_options)
+                trainable=header.get("trainable"), train_mode=header.get("train_mode", False),
+                keep_grads=header.get("keep_grads", False), clip_grad_norm=header["clip_grad_norm"],
+                accumulation_steps=header["accumulation_steps"], on_nonfinite=header["on_nonfinite"],
+                session_options=session_options, strict_tags=header.get("strict_tags", False))
         s._restore(header, arrays, os.fspath(path))
         return s
 
@@ -405,7 +454,7 @@ class TrainingSession:
         values: dict[str, np.ndarray] = {}
         accs: dict[str, np.ndarray] = {}
         for meta, a in zip(header["arrays"], arrays):
-            if meta["kind"] == "param":
+            if meta["kind"] in ("param", "buffer"):
                 values[meta["name"]] = a
             elif meta["kind"] == "state":
                 st = spec.state.get(meta["param"], {}).get(meta["state"])
@@ -452,14 +501,15 @@ class TrainingSession:
             model = self.artifacts.eval_with_loss() if with_loss else self.artifacts.eval
             sess = self._session(model)
             names = [i.name for i in sess.get_inputs()]
-            self._evals[with_loss] = (sess, [n for n in names if n not in self.spec.params],
-                                      [n for n in names if n in self.spec.params],
+            held = set(self.spec.params) | set(self.spec.buffers)
+            self._evals[with_loss] = (sess, [n for n in names if n not in held], [n for n in names if n in held],
                                       [o.name for o in sess.get_outputs()])
         return self._evals[with_loss]
 
     def _outputs(self) -> dict[str, str]:
         """Input -> output names of everything the train graph updates."""
         out = dict(self.spec.params)
+        out.update({name: o for name, (_, o) in self.spec.buffers.items()})
         for st in self.spec.state.values():
             out.update({i: o for i, o in st.values()})
         return out
@@ -519,11 +569,11 @@ class TrainingSession:
         return np.ascontiguousarray(arr)
 
     def _stripped_model(self) -> onnx.ModelProto:
-        """The loss model with the trainable parameters' data left out (they are stored as arrays)."""
+        """The loss model with the trained tensors' data left out (they are stored as arrays)."""
         m = onnx.ModelProto()
         m.CopyFrom(self.artifacts.loss_model)
         for init in m.graph.initializer:
-            if init.name in self.spec.params:
+            if init.name in self.spec.params or init.name in self.spec.buffers:
                 dims, dtype, name = list(init.dims), init.data_type, init.name
                 init.Clear()
                 init.name, init.data_type = name, dtype

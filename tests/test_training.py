@@ -493,12 +493,12 @@ def test_mismatched_checkpoint_raises(tmp_path):
 
 
 # -- the artifacts on their own (what the command line writes) -------------------------------------------------
-def run_guarded(train, feeds_per_step, lr):
-    """Drive the training model with plain onnxruntime, feeding the .next outputs back."""
+def run_guarded(train, feeds_per_step, lr, initial):
+    """Drive the training model with plain onnxruntime from the initial values, feeding the .next outputs back."""
     spec = artifacts.TrainingSpec.of(train)
     sess = ort.InferenceSession(train.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
-    carried = {}
+    carried = {k: v for k, v in initial.items() if k not in (spec.lr, spec.step)}
     results = []
     for step, feeds in enumerate(feeds_per_step, start=1):
         out = dict(zip(names, sess.run(None, {**feeds, spec.lr: np.array(lr, np.float32), spec.step: np.array(step, np.int64),
@@ -513,25 +513,28 @@ def test_training_model_runs_in_plain_onnxruntime_and_matches_the_session():
     art = artifacts.build(mlp_model(), ce(), optim.AdamW(lr=1e-2))
     onnx.checker.check_model(art.train, full_check=True)
     onnx.checker.check_model(art.eval, full_check=True)
-    results, carried = run_guarded(art.train, [batch(i) for i in range(3)], 1e-2)
+    results, carried = run_guarded(art.train, [batch(i) for i in range(3)], 1e-2, art.initial_values())
     s = session(optim.AdamW(lr=1e-2))
     expected = [s.step(batch(i)) for i in range(3)]
     np.testing.assert_allclose([float(r["loss"]) for r in results], expected, rtol=0, atol=1e-6)
     for name, value in s.parameters().items():
         np.testing.assert_allclose(carried[name], value, rtol=0, atol=1e-6)
-    # eval model: parameters are inputs with their initial values as defaults
+    # eval model: the parameters are required inputs (no stale defaults), and no initializer is also an input
     ev = ort.InferenceSession(art.eval.SerializeToString(), providers=["CPUExecutionProvider"])
     fed = ev.run(None, {"x": DATA["x"][0], **{p: carried[p] for p in art.spec.params}})[0]
     np.testing.assert_allclose(fed, s.eval({"x": DATA["x"][0]})["logits"], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="missing"):
+        ev.run(None, {"x": DATA["x"][0]})
+    for m in (art.train, art.eval):
+        assert not {i.name for i in m.graph.initializer} & {i.name for i in m.graph.input}
 
 
 def test_guarded_training_model_keeps_old_values_on_nan():
     art = artifacts.build(mlp_model(), ce(), optim.SGD(lr=0.1, momentum=0.9))
-    results, carried = run_guarded(art.train, [poisoned()], 0.1)
+    results, carried = run_guarded(art.train, [poisoned()], 0.1, art.initial_values())
     assert not bool(results[0]["finite"])
-    inits = {i.name: numpy_helper.to_array(i) for i in art.train.graph.initializer}
     for p in art.spec.params:
-        np.testing.assert_array_equal(carried[p], inits[p])
+        np.testing.assert_array_equal(carried[p], art.initial_params[p])
 
 
 def test_training_model_lists_its_inputs_and_outputs():
@@ -552,7 +555,8 @@ def test_training_model_lists_its_inputs_and_outputs():
     # the guarded accumulation model keeps the old sums on a non-finite micro-batch
     sess = ort.InferenceSession(art.accumulate.SerializeToString(), providers=["CPUExecutionProvider"])
     acc = {i: np.full(art.initial_params[p].shape, 0.5, np.float32) for p, (i, _) in spec.accumulators.items()}
-    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {**poisoned(), **acc})))
+    params = {p: art.initial_params[p] for p in spec.params}
+    out = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {**poisoned(), **acc, **params})))
     assert not out["finite"]
     for p, (i, o) in spec.accumulators.items():
         np.testing.assert_array_equal(out[o], acc[i])
@@ -573,7 +577,10 @@ def test_cli_writes_training_and_eval_models(tmp_path, capsys):
     assert "lr: float32 []" in out and "0.weight.next: float32 [16, 8]" in out and "finite: bool []" in out
     spec = artifacts.TrainingSpec.of(train)
     assert spec.optimizer["type"] == "AdamW" and spec.optimizer["lr"] == 0.01
-    results, _ = run_guarded(train, [batch(i) for i in range(3)], 0.01)
+    with np.load(tmp_path / "mlp.train.init.npz") as z:
+        initial = {k: z[k] for k in z.files}
+    assert set(initial) == {i.name for i in train.graph.input} - {"x", "y"}
+    results, _ = run_guarded(train, [batch(i) for i in range(3)], 0.01, initial)
     s = TrainingSession(mlp_model(), loss=ce(), optimizer=optim.AdamW(lr=0.01), clip_grad_norm=5)
     np.testing.assert_allclose([float(r["loss"]) for r in results], [s.step(batch(i)) for i in range(3)],
                                rtol=0, atol=1e-6)

@@ -1,0 +1,111 @@
+"""Facts about a forward graph that several passes need, each computed in one place.
+
+- :func:`differentiable_positions`: which inputs of a node can carry a gradient
+  (the rule's registration, else the schema's tags, else every input).
+- :func:`dependencies` / :func:`live_nodes`: every tensor (node) some targets depend
+  on, through any input: one reverse walk.
+- :func:`gradient_reach`: every tensor from which a *differentiable* path reaches
+  the targets: through differentiable input positions, float tensors only, never
+  through a stop-gradient op. A tensor outside it gets no gradient, whatever the
+  graph around it.
+
+The pass (:mod:`onnxgrad.autodiff`), the parameter policy (:mod:`onnxgrad.params`),
+the training artifacts and the lowering all ask these functions.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+import onnx
+
+from . import model as M
+from .builder import TensorInfo
+from .registry import Rule, get_rule, get_schema, schema_differentiable_inputs
+
+__all__ = ["rule_of", "differentiable_positions", "dependencies", "live_nodes", "gradient_reach"]
+
+_STANDARD = ("", "ai.onnx")
+
+
+def rule_of(node: onnx.NodeProto) -> Rule | None:
+    """The gradient rule of a standard op without subgraphs; None for the rest (no rule)."""
+    if node.domain not in _STANDARD or M.has_subgraph(node):
+        return None
+    return get_rule(node.op_type)
+
+
+def differentiable_positions(node: onnx.NodeProto, opset: int, strict: bool = False,
+                             cache: dict | None = None) -> tuple[int, ...]:
+    """Input positions of ``node`` that can carry a gradient.
+
+    A rule's registration decides (the schema's Differentiable tags, plus the inputs PyTorch
+    differentiates beyond them unless ``strict``); an op without a rule counts every input
+    of a tagged schema's Differentiable ones, or all of them, so that the pass reports it as
+    unsupported rather than silently cutting the path.
+    """
+    rule = rule_of(node)
+    key = (node.domain, node.op_type, len(node.input), rule is None, strict)
+    if cache is not None and key in cache:
+        return cache[key]
+    n = len(node.input)
+    schema = get_schema(node.op_type, opset) if node.domain in _STANDARD else None
+    if rule is not None:
+        positions = rule.differentiable_inputs(schema, n, strict=strict)
+    else:
+        tagged = schema_differentiable_inputs(schema, n)
+        positions = tagged if tagged is not None else tuple(range(n))
+    if cache is not None:
+        cache[key] = positions
+    return positions
+
+
+def dependencies(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> set[str]:
+    """Every tensor the targets depend on, through any input (subgraphs' outer reads included)."""
+    return _reverse_walk(nodes, targets)[0]
+
+
+def live_nodes(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> list[onnx.NodeProto]:
+    """The nodes the targets depend on, in their original order (dead code dropped)."""
+    return _reverse_walk(nodes, targets)[1]
+
+
+def _reverse_walk(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> tuple[set[str], list]:
+    live = set(targets)
+    kept = []
+    for node in reversed(nodes):
+        if any(o in live for o in node.output if o):
+            kept.append(node)
+            live.update(x for x in node.input if x)
+            if M.has_subgraph(node):
+                live |= M.subgraph_inputs(node)
+    kept.reverse()
+    return live, kept
+
+
+def gradient_reach(nodes: Sequence[onnx.NodeProto], targets: Iterable[str], opset: int,
+                   infos: Mapping[str, TensorInfo] | None = None, strict: bool = False,
+                   cache: dict | None = None) -> set[str]:
+    """Every tensor with a differentiable path to the targets (the targets included).
+
+    A node passes its outputs' reach to the inputs at its differentiable positions when one
+    of its float outputs is reached and it is not a stop-gradient op; nodes with subgraphs
+    pass it to every input and outer-scope read (the pass refuses them with a clear error).
+    """
+    infos = infos or {}
+    cache = {} if cache is None else cache
+    reach = {t for t in targets if M.is_float(infos.get(t))}
+    for node in reversed(nodes):
+        if not any(o in reach and M.is_float(infos.get(o)) for o in node.output if o):
+            continue
+        rule = rule_of(node)
+        if rule is not None and rule.stop:
+            continue
+        if M.has_subgraph(node):
+            reach.update(x for x in node.input if x and M.is_float(infos.get(x)))
+            reach |= {x for x in M.subgraph_inputs(node) if M.is_float(infos.get(x))}
+            continue
+        for i in differentiable_positions(node, opset, strict, cache):
+            x = node.input[i]
+            if x and M.is_float(infos.get(x)):
+                reach.add(x)
+    return reach

@@ -1,0 +1,315 @@
+"""What is a trainable parameter: one policy for ``grad()``'s default ``wrt``, the training
+sessions, the training artifacts and the command line.
+
+A float initializer is trained when it has a differentiable path to the loss (or the
+differentiated outputs) and it is what PyTorch would train. In this order:
+
+1. ``frozen`` names are not trained.
+2. No differentiable path (it reaches the loss only through shapes, indices, comparisons,
+   integer casts or stop-gradient ops, or not at all): not trained, as PyTorch leaves a
+   parameter whose ``.grad`` is None alone (no update, no weight decay).
+3. BatchNormalization's mean and variance inputs are running statistics (buffers).
+4. Exporter metadata, where the model has it (PyTorch's dynamo exporter): the graph
+   signature's kind of each initializer (``PARAMETER`` trains; ``BUFFER`` and
+   ``CONSTANT_TENSOR`` do not), and for tensors the exporter's optimizer folded
+   (``folded_from``), the parameter they were folded from: a copy one-to-one with a single
+   parameter (transposed, reshaped, sliced) trains as that parameter; a copy that repeats a
+   parameter's elements (a folded Gather or Expand: a token-type row, a class token,
+   relative-position biases) or a second copy of a parameter another initializer holds is
+   not trained, with the reason, since training it separately would break the tie.
+5. Without metadata (the TorchScript exporter, other producers): tensors holding
+   non-finite values or only 0s and 1s (masks), scalars and constant fills under
+   exporter-generated names (``val_12``, ``onnx::Mul_5``, ``/Constant_output_0``: GELU's
+   0.5, an attention scale, a zero initial state) and tensors named like PyTorch buffers
+   (``running_mean``, ``inv_freq``, ...) are not trained; every other float initializer
+   is, named scalars such as a learnable temperature included.
+"""
+from __future__ import annotations
+
+import ast
+import os
+import re
+from dataclasses import dataclass
+from typing import Iterator, Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from . import graph as G
+from . import model as M
+from .builder import TensorInfo
+from .errors import UnknownNameError
+
+__all__ = ["Parameter", "ParameterReport", "parameters"]
+
+KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
+FOLDED_KEY = "pkg.onnxscript.optimizer.folded_from"
+ORIGINAL_KEY = "pkg.torch.onnx.original_node_name"
+SIGNATURE_KEY = "pkg.torch.export.ExportedProgram.graph_signature"
+
+# names exporters give the tensors they create (not PyTorch module paths)
+_GENERATED = re.compile(r"^(_?val_\d+|onnx::.*|/.*|.*Constant.*|const(ant)?_?\d*|_v_\d+|ortshared_.*|.*_output_\d+)$")
+# buffers PyTorch modules register under these names
+_BUFFER_NAMES = re.compile(r"(^|\.)(running_mean|running_var|num_batches_tracked|inv_freq|position_ids|"
+                           r"cos_cached|sin_cached|_float_tensor|masked_bias)$")
+# BatchNormalization input positions that hold running statistics
+_RUNNING_STATS = {"BatchNormalization": (3, 4)}
+# folds that repeat elements are told by their values; above this size the check samples
+_REPEAT_CHECK_LIMIT = 1 << 22
+NO_FOLDING_HINT = ("to train it, export with torch.onnx.export(..., dynamo=True, optimize=False) so that the "
+                   "parameter stays one tensor, or name it in trainable=")
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """The decision for one float initializer: whether it trains, why, and its PyTorch name."""
+
+    name: str
+    trainable: bool
+    reason: str
+    torch_name: str | None = None
+
+    def line(self) -> str:
+        torch = f" (PyTorch '{self.torch_name}')" if self.torch_name and self.torch_name != self.name else ""
+        return f"{self.name}{torch}: {self.reason}"
+
+
+class ParameterReport:
+    """Every float initializer of a model with its decision, in model order."""
+
+    def __init__(self, entries: Sequence[Parameter], what: str):
+        self.entries = list(entries)
+        self.what = what
+        self._by_name = {p.name: p for p in self.entries}
+
+    @property
+    def trainable(self) -> list[str]:
+        return [p.name for p in self.entries if p.trainable]
+
+    @property
+    def left_out(self) -> list[Parameter]:
+        return [p for p in self.entries if not p.trainable]
+
+    def __getitem__(self, name: str) -> Parameter:
+        return self._by_name[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+    def __iter__(self) -> Iterator[Parameter]:
+        return iter(self.entries)
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def lines(self) -> list[str]:
+        """A readable table: the trainable tensors, then those left out with their reasons."""
+        out = [f"trainable parameters of {self.what}: {len(self.trainable)}"]
+        out += ["  " + p.line() for p in self.entries if p.trainable]
+        left = self.left_out
+        if left:
+            out.append(f"float initializers not trained: {len(left)}")
+            out += ["  " + p.line() for p in left]
+        return out
+
+    def __repr__(self) -> str:
+        return f"ParameterReport({len(self.trainable)} trainable, {len(self.left_out)} left out)"
+
+
+def parameters(
+    model: onnx.ModelProto | str | os.PathLike,
+    loss: str | None = None,
+    of: Sequence[str] | str | None = None,
+    frozen: Sequence[str] = (),
+    strict_tags: bool = False,
+    _facts: tuple[Mapping[str, TensorInfo], set[str]] | None = None,
+) -> ParameterReport:
+    """Decide which float initializers of ``model`` are trainable (see the module's rules).
+
+    ``loss`` / ``of`` name what is differentiated, as in :func:`onnxgrad.grad` (neither:
+    the single scalar float output, else every float output). ``frozen``: initializers
+    not to train. The result lists every float initializer with its reason;
+    ``.trainable`` is the default ``wrt`` of ``grad`` and what training sessions train.
+    """
+    if _facts is None:
+        from .autodiff import _Pass
+
+        p = _Pass(M.load(model), [], [of] if isinstance(of, str) else of, loss, True, strict_tags)
+        model, infos, reach = p.model, p.infos, p.reach
+        what = p._what()
+    else:
+        infos, reach = _facts
+        what = f"loss '{loss}'" if loss else "outputs " + ", ".join(f"'{o}'" for o in (of or []))
+    assert isinstance(model, onnx.ModelProto)
+    g = model.graph
+    floats = [i for i in g.initializer if i.data_type in M.FLOAT_TYPES]
+    names = {i.name for i in floats}
+    unknown = [f for f in frozen if f not in names]
+    if unknown:
+        listed = ", ".join(sorted(names)[:20]) + (", ..." if len(names) > 20 else "")
+        raise UnknownNameError(f"frozen name(s) {', '.join(map(repr, unknown))} are not float initializers "
+                               f"of the model (initializers: {listed})")
+    facts = _ModelFacts(model)
+    decisions = [_decide(init, facts, set(frozen), reach, what) for init in floats]
+    return ParameterReport(_break_ties(decisions, facts), what)
+
+
+class _ModelFacts:
+    """What the exporter recorded, and which node positions read each initializer."""
+
+    def __init__(self, model: onnx.ModelProto):
+        g = model.graph
+        self.meta: dict[str, dict[str, str]] = {}
+        for vi in list(g.value_info) + list(g.input):
+            if vi.metadata_props:
+                self.meta.setdefault(vi.name, {}).update({p.key: p.value for p in vi.metadata_props})
+        for init in g.initializer:
+            if init.metadata_props:
+                self.meta.setdefault(init.name, {}).update({p.key: p.value for p in init.metadata_props})
+        graph_meta = {p.key: p.value for p in g.metadata_props}
+        graph_meta.update({p.key: p.value for p in model.metadata_props if p.key == SIGNATURE_KEY})
+        self.kinds, self.targets = _parse_signature(graph_meta.get(SIGNATURE_KEY, ""))
+        self.uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+        for node in g.node:
+            for k, x in enumerate(node.input):
+                if x:
+                    self.uses.setdefault(x, []).append((node, k))
+
+    def kind(self, name: str) -> str | None:
+        """PARAMETER / BUFFER / CONSTANT_TENSOR as the exporter recorded it for this tensor or PyTorch name."""
+        meta = self.meta.get(name, {})
+        if KIND_KEY in meta:
+            return meta[KIND_KEY]
+        return self.kinds.get(name)
+
+    def torch_name(self, name: str) -> str:
+        original = self.meta.get(name, {}).get(ORIGINAL_KEY)
+        return self.targets.get(original, name) if original else name
+
+    def folded_from(self, name: str) -> list[str] | None:
+        text = self.meta.get(name, {}).get(FOLDED_KEY)
+        if not text:
+            return None
+        try:
+            value = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            return None
+        return [str(v) for v in value] if isinstance(value, (list, tuple)) else None
+
+    def parameter_sources(self, name: str, seen: frozenset = frozenset()) -> list[str]:
+        """The PyTorch parameters a folded tensor was computed from (through earlier folds too)."""
+        found: list[str] = []
+        for src in self.folded_from(name) or []:
+            if src in seen:
+                continue
+            if self.kind(src) == "PARAMETER":
+                found.append(self.torch_name(src))
+            elif self.folded_from(src):
+                found += self.parameter_sources(src, seen | {name})
+        return list(dict.fromkeys(found))
+
+
+def _parse_signature(text: str) -> tuple[dict[str, str], dict[str, str]]:
+    """``p_fc_weight: PARAMETER target='fc.weight'`` lines -> ({target: kind}, {placeholder: target})."""
+    kinds, targets = {}, {}
+    for m in re.finditer(r"^\s*(\S+): (PARAMETER|BUFFER|CONSTANT_TENSOR|CUSTOM_OBJ|TOKEN) target='([^']*)'",
+                         text, re.MULTILINE):
+        placeholder, kind, target = m.groups()
+        kinds[target] = kind
+        targets[placeholder] = target
+    return kinds, targets
+
+
+def _decide(init: onnx.TensorProto, facts: _ModelFacts, frozen: set[str], reach: set[str],
+            what: str) -> Parameter:
+    name = init.name
+    torch_name = facts.torch_name(name) if facts.kind(name) else None
+    if name in frozen:
+        return Parameter(name, False, "frozen", torch_name)
+    if name not in reach:
+        if facts.uses.get(name):
+            reason = (f"no differentiable path to {what} (it reaches it only through inputs that carry no "
+                      "gradient: a shape, an index, a comparison, an integer cast, a stop-gradient op)")
+        else:
+            reason = "read by no node"
+        return Parameter(name, False, reason, torch_name)
+    for node, k in facts.uses.get(name, []):
+        if k in _RUNNING_STATS.get(node.op_type, ()) and node.domain in ("", "ai.onnx"):
+            return Parameter(name, False, f"running statistic of {node.op_type} node '{node.name}' (a buffer)",
+                             torch_name)
+    kind = facts.kind(name)
+    if kind == "PARAMETER":
+        return Parameter(name, True, "PyTorch parameter (exporter metadata)", torch_name)
+    if kind == "BUFFER":
+        return Parameter(name, False, "PyTorch buffer (exporter metadata): PyTorch does not train it", torch_name)
+    if kind is not None:
+        return Parameter(name, False, f"{kind} in the exporter's graph signature: PyTorch does not train it",
+                         torch_name)
+    sources = facts.folded_from(name)
+    if sources is not None:
+        return _decide_folded(init, facts, sources)
+    return _decide_by_value(init)
+
+
+def _decide_folded(init: onnx.TensorProto, facts: _ModelFacts, sources: list[str]) -> Parameter:
+    params = facts.parameter_sources(init.name)
+    if not params:
+        return Parameter(init.name, False, f"folded by the exporter from constants or buffers ({', '.join(sources)})")
+    torch_name = ", ".join(params)
+    if len(sources) == 1:
+        return Parameter(init.name, True, f"PyTorch parameter '{torch_name}' as the exporter folded it "
+                         "(transposed or cast)", torch_name)
+    if _repeats_elements(init):
+        return Parameter(init.name, False, f"a folded copy that repeats elements of PyTorch parameter "
+                         f"'{torch_name}' (a Gather or Expand of it): training the copy separately would break "
+                         f"the tie between its elements; {NO_FOLDING_HINT}", torch_name)
+    return Parameter(init.name, True, f"PyTorch parameter '{torch_name}' as the exporter folded it "
+                     "(reshaped or sliced)", torch_name)
+
+
+def _repeats_elements(init: onnx.TensorProto) -> bool:
+    """Whether some element value occurs twice (random or trained weights never repeat exactly)."""
+    values = numpy_helper.to_array(init).reshape(-1)
+    if values.size > _REPEAT_CHECK_LIMIT:
+        values = values[:_REPEAT_CHECK_LIMIT]
+    return bool(np.unique(values).size < values.size)
+
+
+def _decide_by_value(init: onnx.TensorProto) -> Parameter:
+    """No exporter metadata: masks, exporter constants and buffer-named tensors are not trained."""
+    name = init.name
+    if _BUFFER_NAMES.search(name):
+        return Parameter(name, False, "named like a PyTorch buffer")
+    values = numpy_helper.to_array(init)
+    if values.size and not np.isfinite(values).all():
+        return Parameter(name, False, "holds non-finite values (a mask)")
+    if values.size > 1 and np.isin(values, (0, 1)).all() and (values == 0).any() and (values == 1).any():
+        return Parameter(name, False, "holds only 0s and 1s (a mask)")
+    if _GENERATED.match(name) and (values.size <= 1 or bool((values == values.reshape(-1)[0]).all())):
+        shape = "a scalar" if values.size <= 1 else "a constant fill"
+        return Parameter(name, False, f"an exporter constant ({shape} under a generated name)")
+    return Parameter(name, True, "float initializer with a differentiable path (no exporter metadata)")
+
+
+def _break_ties(decisions: list[Parameter], facts: _ModelFacts) -> list[Parameter]:
+    """A PyTorch parameter held by several trainable initializers trains once: the first holder
+    (an unfolded one if there is one); the other copies are left out with the reason."""
+    holders: dict[str, list[int]] = {}
+    for k, p in enumerate(decisions):
+        if p.trainable and p.torch_name:
+            for t in p.torch_name.split(", "):
+                holders.setdefault(t, []).append(k)
+    out = list(decisions)
+    for torch_name, ks in holders.items():
+        if len(ks) < 2:
+            continue
+        direct = [k for k in ks if facts.folded_from(decisions[k].name) is None]
+        keep = direct[0] if direct else ks[0]
+        for k in ks:
+            if k != keep and out[k].trainable:
+                p = out[k]
+                out[k] = Parameter(p.name, False, f"a second copy of PyTorch parameter '{torch_name}', which "
+                                   f"'{decisions[keep].name}' holds and trains: training both would break their "
+                                   f"tie; {NO_FOLDING_HINT}", p.torch_name)
+    return out
