@@ -6,8 +6,9 @@
   on, through any input: one reverse walk.
 - :func:`gradient_reach`: every tensor from which a *differentiable* path reaches
   the targets: through differentiable input positions, float tensors only, never
-  through a stop-gradient op. A tensor outside it gets no gradient, whatever the
-  graph around it.
+  through an op that cuts gradients (integer or boolean results, random draws). A
+  tensor outside it has no gradient (``UnusedError``, not trained); one reaching the
+  targets only through zero-derivative ops (Floor, Sign) has a gradient of zeros.
 
 The pass (:mod:`onnxgrad.autodiff`), the parameter policy (:mod:`onnxgrad.params`),
 the training artifacts and the lowering all ask these functions.
@@ -99,6 +100,8 @@ def gradient_reach(nodes: Sequence[onnx.NodeProto], targets: Iterable[str], opse
             continue
         rule = rule_of(node)
         if rule is not None and rule.stop:
+            if rule.zero_derivative:       # a gradient of zeros, not none (PyTorch's floor, sign)
+                reach.update(x for x in node.input if x and M.is_float(infos.get(x)))
             continue
         if M.has_subgraph(node):
             reach.update(x for x in node.input if x and M.is_float(infos.get(x)))

@@ -50,6 +50,7 @@ class Rule:
     stop: bool = False
     doc: str = ""
     beyond_tags: tuple[int, ...] = ()
+    zero_derivative: bool = False
 
     def differentiable_inputs(self, schema: onnx.defs.OpSchema | None, n_inputs: int,
                               strict: bool = False) -> tuple[int, ...]:
@@ -84,10 +85,15 @@ def register(*op_types: str, broadcast: bool = False, inputs: Sequence[int] | No
     return deco
 
 
-def register_stop(*op_types: str, why: str = "zero derivative") -> None:
-    """Mark ops whose gradient is zero (or undefined) everywhere: they stop gradients."""
+def register_stop(*op_types: str, why: str = "zero derivative", zero_derivative: bool = False) -> None:
+    """Mark ops whose gradient is zero (or undefined) everywhere: they stop gradients.
+
+    ``zero_derivative``: the derivative exists and is zero (Floor, Sign, ...), so a tensor reaching
+    the outputs only through such ops has a gradient of zeros, as in PyTorch; otherwise (integer or
+    boolean results, random draws, shapes) the op cuts the path and such a tensor has no gradient.
+    """
     for op in op_types:
-        _RULES[op] = Rule(op, None, stop=True, doc=why)
+        _RULES[op] = Rule(op, None, stop=True, doc=why, zero_derivative=zero_derivative)
 
 
 def get_rule(op_type: str) -> Rule | None:

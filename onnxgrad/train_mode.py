@@ -59,7 +59,7 @@ def to_train_mode(model: onnx.ModelProto, seed: int = 0) -> TrainMode:
         if node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type == "BatchNormalization" and not _bn_training(node, opset):
-            nodes += _batch_norm_train(node, opset, names, stored, out)
+            nodes[-1:] = _batch_norm_train(node, opset, names, stored, out) + [node]
         elif node.op_type == "Dropout" and opset >= 12 and not _dropout_active(node, g):
             if true_name is None:
                 true_name = names.fresh("onnxgrad.training_mode")
@@ -67,7 +67,7 @@ def to_train_mode(model: onnx.ModelProto, seed: int = 0) -> TrainMode:
             while len(node.input) < 3:
                 node.input.append("")
             node.input[2] = true_name
-            _set_attr(node, "seed", float(seed + k))
+            _set_attr(node, "seed", int(seed + k))
             out.dropout_nodes.append(node.name)
     del g.node[:]
     g.node.extend(nodes)
@@ -114,8 +114,15 @@ def _set_attr(node: onnx.NodeProto, name: str, value) -> None:
 
 def _batch_norm_train(node: onnx.NodeProto, opset: int, names: NameScope, initializers: dict[str, int],
                       out: TrainMode) -> list[onnx.NodeProto]:
-    """Switch one BatchNormalization to batch statistics; return the nodes computing the running
-    statistics PyTorch would hold after this batch."""
+    """Switch one BatchNormalization to batch statistics; return the nodes (to run before it) that
+    compute the running statistics PyTorch would hold after this batch.
+
+    The running statistics are computed here from the batch, not read from the node's own
+    running outputs: onnxruntime (1.32, CPU) writes those outputs into the buffers of the
+    mean/var *inputs* (in place, graph inputs included), so any other reader of the inputs
+    could see the new values. The node gets private zero/one tensors as its mean/var inputs
+    (in training mode they only feed its running outputs, which nothing reads).
+    """
     x, mean, var = node.input[0], node.input[3], node.input[4]
     if mean not in initializers or var not in initializers:
         raise OnnxGradError(f"BatchNormalization node '{node.name}': its running statistics ('{mean}', '{var}') "
@@ -124,45 +131,61 @@ def _batch_norm_train(node: onnx.NodeProto, opset: int, names: NameScope, initia
     momentum = next((a.f for a in node.attribute if a.name == "momentum"), 0.9)
     dtype = initializers[var]
     np_dtype = helper.tensor_dtype_to_np_dtype(dtype)
-    if opset >= 14:
-        _set_attr(node, "training_mode", 1)
     scope = f"{node.name}/train_mode"
-    new_mean, biased = names.fresh(f"{mean}.next"), names.fresh(f"{scope}/running_var_biased")
-    outputs = list(node.output) + [""] * (3 - len(node.output))
-    outputs[1], outputs[2] = new_mean, biased
-    del node.output[:]
-    node.output.extend(outputs)
 
-    # running_var (PyTorch) = m * var + n / (n - 1) * (running_var (ONNX) - m * var),
-    # n = elements per channel = Size(x) / Shape(x)[1]
     def t(hint: str) -> str:
         return names.fresh(f"{scope}/{hint}")
 
-    def const(hint: str, value) -> tuple[str, onnx.NodeProto]:
-        name = t(hint)
-        return name, helper.make_node("Constant", [], [name], name=name, value=numpy_helper.from_array(value))
+    nodes: list[onnx.NodeProto] = []
 
-    one_i, c1 = const("one", np.array([1], np.int64))
-    momentum_c, c2 = const("momentum", np.array(momentum, np_dtype))
-    size, shape, channels = t("size"), t("shape"), t("channels")
-    n, n_f, n_minus_1, ratio = t("n"), t("n_float"), t("n_minus_1"), t("n_over_n_minus_1")
-    old_part, fresh, scaled = t("momentum_var"), t("batch_part"), t("batch_part_unbiased")
-    new_var = names.fresh(f"{var}.next")
-    one_f, c3 = const("one_float", np.array(1.0, np_dtype))
-    nodes = [
-        c1, c2, c3,
-        helper.make_node("Size", [x], [size], name=size),
-        helper.make_node("Shape", [x], [shape], name=shape),
-        helper.make_node("Gather", [shape, one_i], [channels], name=channels, axis=0),
-        helper.make_node("Div", [size, channels], [n], name=n),
-        helper.make_node("Cast", [n], [n_f], name=n_f, to=dtype),
-        helper.make_node("Sub", [n_f, one_f], [n_minus_1], name=n_minus_1),
-        helper.make_node("Div", [n_f, n_minus_1], [ratio], name=ratio),
-        helper.make_node("Mul", [var, momentum_c], [old_part], name=old_part),
-        helper.make_node("Sub", [biased, old_part], [fresh], name=fresh),
-        helper.make_node("Mul", [fresh, ratio], [scaled], name=scaled),
-        helper.make_node("Add", [old_part, scaled], [new_var], name=new_var),
-    ]
+    def emit(op: str, inputs: list[str], hint: str, **attrs) -> str:
+        name = t(hint)
+        nodes.append(helper.make_node(op, inputs, [name], name=name, **attrs))
+        return name
+
+    def const(hint: str, value: np.ndarray) -> str:
+        return emit("Constant", [], hint, value=numpy_helper.from_array(value))
+
+    def reduce(op: str, data: str, hint: str, keepdims: int) -> str:
+        if opset >= 18:
+            return emit(op, [data, const(f"{hint}_axes", np.array([0, 2], np.int64))], hint, keepdims=keepdims)
+        return emit(op, [data], hint, axes=[0, 2], keepdims=keepdims)
+
+    # private running inputs for the node, and outputs nothing reads
+    stat_shape = emit("Shape", [var], "stat_shape")
+    dummy_mean = emit("ConstantOfShape", [stat_shape], "unused_mean",
+                      value=numpy_helper.from_array(np.zeros(1, np_dtype)))
+    dummy_var = emit("ConstantOfShape", [stat_shape], "unused_var",
+                     value=numpy_helper.from_array(np.ones(1, np_dtype)))
+    inputs = list(node.input)
+    inputs[3], inputs[4] = dummy_mean, dummy_var
+    del node.input[:]
+    node.input.extend(inputs)
+    outputs = [node.output[0], t("unused_running_mean"), t("unused_running_var")]
+    del node.output[:]
+    node.output.extend(outputs)
+    if opset >= 14:
+        _set_attr(node, "training_mode", 1)
+
+    # batch statistics over every axis but the channel: x as [N, C, rest]
+    flat = emit("Reshape", [x, const("flat_shape", np.array([0, 0, -1], np.int64))], "x_flat")
+    batch_mean = reduce("ReduceMean", flat, "batch_mean", keepdims=1)
+    centered = emit("Sub", [flat, batch_mean], "centered")
+    squares = reduce("ReduceSumSquare", centered, "sum_of_squares", keepdims=0)
+    # n = elements per channel = Size(x) / Shape(x)[1]; PyTorch's running variance is unbiased
+    channels = emit("Gather", [emit("Shape", [x], "x_shape"), const("one", np.array([1], np.int64))], "channels",
+                    axis=0)
+    n = emit("Cast", [emit("Div", [emit("Size", [x], "size"), channels], "n")], "n_float", to=dtype)
+    unbiased = emit("Div", [squares, emit("Sub", [n, const("one_float", np.array(1, np_dtype))], "n_minus_1")],
+                    "batch_var_unbiased")
+    m = const("momentum", np.array(momentum, np_dtype))
+    m1 = const("one_minus_momentum", np.array(1 - momentum, np_dtype))
+    mean_flat = emit("Reshape", [batch_mean, const("vector", np.array([-1], np.int64))], "batch_mean_vector")
+    new_mean, new_var = t("new_running_mean"), t("new_running_var")   # the training graph outputs '<name>.next'
+    for old, batch, new in ((mean, mean_flat, new_mean), (var, unbiased, new_var)):
+        kept = emit("Mul", [old, m], "momentum_part")
+        fresh = emit("Mul", [batch, m1], "batch_part")
+        nodes.append(helper.make_node("Add", [kept, fresh], [new], name=new))
     out.running[mean] = new_mean
     out.running[var] = new_var
     return nodes

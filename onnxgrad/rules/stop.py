@@ -13,12 +13,12 @@ from ..registry import register_stop
 
 # Piecewise-constant float functions (schema: NonDifferentiable).
 register_stop("Floor", "Ceil", "Round", "Sign",
-              why="piecewise constant: the derivative is zero almost everywhere")
+              why="piecewise constant: the derivative is zero almost everywhere", zero_derivative=True)
 
 # Tagged Differentiable by the schema, but piecewise constant in its input.
 register_stop("Hardmax",
               why="a one-hot of the argmax: piecewise constant in the input, so the derivative is "
-                  "zero almost everywhere (undefined at ties)")
+                  "zero almost everywhere (undefined at ties)", zero_derivative=True)
 
 # Integer- or bool-valued results (schema: NonDifferentiable).
 register_stop("ArgMax", "ArgMin", "NonZero",

@@ -1,0 +1,336 @@
+"""What gets trained, and how: the parameter policy on real PyTorch exports, train mode against
+PyTorch's one-step references, and the trainer habits (parameter groups, gradients, checkpoints).
+
+The references were written by models/export.py with torch (these tests need no torch).
+"""
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxgrad
+from onnxgrad import TrainingSession, losses, optim
+from onnxgrad.cli import main as cli_main
+from onnxgrad.errors import OnnxGradError, UnusedError
+from onnxgrad.params import parameters
+
+MODELS = Path(__file__).resolve().parents[1] / "models"
+EXPORTED = sorted(p.stem for p in MODELS.glob("*.npz"))
+TRAIN_STEPS = sorted(p.stem for p in (MODELS / "train_step").glob("*.npz"))
+F = TensorProto.FLOAT
+
+
+def _fixture(stem: str) -> dict[str, np.ndarray]:
+    with np.load(MODELS / f"{stem}.npz") as z:
+        return {k: z[k] for k in z.files}
+
+
+# -- the trainable set equals PyTorch's parameters as they appear in the graph ---------------------------
+@pytest.mark.parametrize("stem", EXPORTED)
+def test_default_trainable_set_is_pytorchs_parameters(stem):
+    model = onnx.load(MODELS / f"{stem}.onnx")
+    data = _fixture(stem)
+    expected = {k[len("param/"):] for k in data if k.startswith("param/")}
+    report = parameters(model, loss=str(data["loss"]) if "loss" in data else None)
+    assert set(report.trainable) == expected, "\n".join(report.lines())
+    # grad()'s default wrt and a training session's parameters are the same set
+    gm = onnxgrad.grad(model, loss=str(data["loss"]) if "loss" in data else None)
+    assert set(onnxgrad.check.gradient_spec(gm)["wrt"]) == expected
+    # every decision carries a reason; PyTorch names come from the exporter where it recorded them
+    assert all(p.reason for p in report)
+    if "dynamo" in stem and "cnn_dynamo" != stem:
+        for name in expected:
+            held = {n.strip() for n in str(data[f"param/{name}"]).split(",")}
+            assert report[name].torch_name is not None
+            assert set(report[name].torch_name.split(", ")) <= held | {name}, (name, report[name])
+
+
+def test_buffers_and_exporter_constants_are_left_out_with_reasons():
+    bn = parameters(MODELS / "cnn_legacy.onnx")
+    assert "running statistic" in bn["bn.running_mean"].reason and not bn["bn.running_var"].trainable
+    gpt = parameters(MODELS / "gpt_dynamo.onnx")
+    scalars = [p for p in gpt.left_out if p.name.startswith("val_")]
+    assert scalars and all(not p.trainable for p in scalars)
+    lstm = parameters(MODELS / "lstm_dynamo.onnx")
+    zero_state = [p for p in lstm.left_out]
+    assert len(zero_state) == 1 and "folded" in zero_state[0].reason   # the LSTM's zero initial state
+    text = "\n".join(gpt.lines())
+    assert "trainable parameters of" in text and "not trained" in text
+
+
+def _tiny(nodes, inits, inputs=("x",), output="y", opset=17):
+    graph = helper.make_graph(
+        nodes, "tiny", [helper.make_tensor_value_info(i, F, [2, 3]) for i in inputs],
+        [helper.make_tensor_value_info(output, F, [2, 3])],
+        [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in inits.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_policy_without_metadata():
+    rng = np.random.default_rng(0)
+    model = _tiny(
+        [helper.make_node("Mul", ["x", "w"], ["a"]),
+         helper.make_node("Mul", ["a", "val_3"], ["b"]),          # an exporter scalar (GELU's 0.5)
+         helper.make_node("Add", ["b", "mask"], ["c"]),           # an additive mask
+         helper.make_node("Mul", ["c", "logit_scale"], ["d"]),    # a learnable temperature
+         helper.make_node("Mul", ["d", "keep"], ["y"])],          # a 0/1 mask
+        {"w": rng.standard_normal((2, 3)), "val_3": np.array(0.5), "mask": [[0, -np.inf, 0]] * 2,
+         "logit_scale": np.array(2.6), "keep": [[1, 0, 1]] * 2})
+    report = parameters(model)
+    assert report.trainable == ["w", "logit_scale"]
+    assert "scalar" in report["val_3"].reason and "mask" in report["mask"].reason
+    assert "mask" in report["keep"].reason
+
+
+def test_a_weight_behind_an_integer_cast_is_not_a_parameter_and_a_cut_wrt_is_unused():
+    """One source of truth: the policy and the pass agree on what carries a gradient."""
+    model = _tiny(
+        [helper.make_node("Cast", ["w"], ["wi"], to=TensorProto.INT64),
+         helper.make_node("Cast", ["wi"], ["wf"], to=F),
+         helper.make_node("Mul", ["x", "wf"], ["a"]),
+         helper.make_node("Mul", ["a", "v"], ["y"])],
+        {"w": np.full((2, 3), 2.0), "v": np.arange(6).reshape(2, 3) + 0.5})
+    report = parameters(model)
+    assert report.trainable == ["v"] and "no differentiable path" in report["w"].reason
+    with pytest.raises(UnusedError, match="only through inputs that carry no gradient"):
+        onnxgrad.grad(model, wrt=["w"])
+    gm = onnxgrad.grad(model, wrt=["w"], allow_unused=True)
+    out = ort.InferenceSession(gm.SerializeToString()).run(None, {"x": np.ones((2, 3), np.float32),
+                                                                  "y_grad": np.ones((2, 3), np.float32)})
+    np.testing.assert_array_equal(out[1], 0.0)
+    with pytest.raises(OnnxGradError, match="nothing to train"):
+        TrainingSession(model, loss=losses.MSELoss(output="y", target="t"), frozen=["v"])
+
+
+def test_folded_copies_that_repeat_a_parameter_are_not_trained_silently():
+    """dynamo metadata: a transposed weight trains as its parameter; a folded Expand of a class token
+    repeats its elements and a second copy of a tied weight would break the tie: both are left out."""
+    rng = np.random.default_rng(1)
+    token = rng.standard_normal((1, 3))
+    weight = rng.standard_normal((3, 3))
+    model = _tiny(
+        [helper.make_node("Add", ["x", "cls_expanded"], ["a"]),
+         helper.make_node("MatMul", ["a", "w_t"], ["b"]),
+         helper.make_node("MatMul", ["b", "w"], ["y"])],
+        {"cls_expanded": np.repeat(token, 2, axis=0), "w_t": weight.T, "w": weight})
+    for name, folded in (("cls_expanded", "['cls_token', 'val_4']"), ("w_t", "['w']")):
+        vi = helper.make_tensor_value_info(name, F, [2, 3] if name == "cls_expanded" else [3, 3])
+        vi.metadata_props.add(key="pkg.onnxscript.optimizer.folded_from", value=folded)
+        model.graph.value_info.append(vi)
+    vi = helper.make_tensor_value_info("w", F, [3, 3])
+    vi.metadata_props.add(key="pkg.torch.export.graph_signature.InputSpec.kind", value="PARAMETER")
+    model.graph.value_info.append(vi)
+    model.graph.metadata_props.add(
+        key="pkg.torch.export.ExportedProgram.graph_signature",
+        value="# inputs\np_cls_token: PARAMETER target='cls_token'\np_w: PARAMETER target='w'\nx: USER_INPUT\n")
+    report = parameters(model)
+    assert report.trainable == ["w"]
+    assert "repeats elements" in report["cls_expanded"].reason and "optimize=False" in report["cls_expanded"].reason
+    assert report["cls_expanded"].torch_name == "cls_token"
+    assert "second copy" in report["w_t"].reason and "tie" in report["w_t"].reason
+
+
+# -- train mode against PyTorch ---------------------------------------------------------------------------
+def _train_step_session(stem: str, train_mode: bool):
+    ref = dict(np.load(MODELS / "train_step" / f"{stem}.npz"))
+    loss = losses.MSELoss(output=str(ref["output"]), target="t")
+    s = TrainingSession(MODELS / f"{stem}.onnx", loss=loss, optimizer=optim.SGD(lr=float(ref["lr"])),
+                        train_mode=train_mode, providers=["CPUExecutionProvider"])
+    return s, ref
+
+
+@pytest.mark.parametrize("stem", TRAIN_STEPS)
+def test_train_mode_step_matches_pytorch(stem, tmp_path):
+    s, ref = _train_step_session(stem, train_mode=True)
+    loss = s.step({"x": ref["x"], "t": ref["t"]})
+    assert loss == pytest.approx(float(ref["loss_before"]), abs=1e-5)
+    s.export(tmp_path / "trained.onnx")
+    exported = {i.name: numpy_helper.to_array(i) for i in onnx.load(tmp_path / "trained.onnx").graph.initializer}
+    for key in ref:
+        if key.startswith(("param/", "running/")):
+            name = key.split("/", 1)[1]
+            np.testing.assert_allclose(exported[name], ref[key], rtol=0, atol=2e-6, err_msg=key)
+    assert set(s.buffers()) == {k.split("/", 1)[1] for k in ref if k.startswith("running/")}
+    # the exported model is an inference model: BN on the updated running statistics
+    graph = onnx.load(tmp_path / "trained.onnx").graph
+    assert all(a.i == 0 for n in graph.node if n.op_type == "BatchNormalization"
+               for a in n.attribute if a.name == "training_mode")
+    out = s.eval({"x": ref["x"]})
+    sess = ort.InferenceSession(str(tmp_path / "trained.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(out[str(ref["output"])], sess.run(None, {"x": ref["x"]})[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stem", TRAIN_STEPS)
+def test_eval_mode_step_matches_pytorch(stem, tmp_path):
+    s, ref = _train_step_session(stem, train_mode=False)
+    loss = s.step({"x": ref["x"], "t": ref["t"]})
+    assert loss == pytest.approx(float(ref["eval_loss_before"]), abs=1e-5)
+    assert s.buffers() == {}
+    params = s.parameters()
+    for key in ref:
+        if key.startswith("eval_param/"):
+            name = key.split("/", 1)[1]
+            np.testing.assert_allclose(params[name], ref[key], rtol=0, atol=2e-6, err_msg=key)
+
+
+def test_train_mode_checkpoint_round_trips_running_statistics(tmp_path):
+    s, ref = _train_step_session(TRAIN_STEPS[0], train_mode=True)
+    feeds = {"x": ref["x"], "t": ref["t"]}
+    s.step(feeds)
+    s.save(tmp_path / "ckpt")
+    resumed = TrainingSession.load(tmp_path / "ckpt")
+    assert resumed.spec.train_mode
+    for name, value in s.buffers().items():
+        np.testing.assert_array_equal(resumed.buffers()[name], value)
+    assert resumed.step(feeds) == s.step(feeds)
+    for name, value in s.buffers().items():
+        np.testing.assert_array_equal(resumed.buffers()[name], value)
+
+
+def test_dropout_is_active_in_train_mode_and_off_in_eval():
+    model = _tiny([helper.make_node("Mul", ["x", "w"], ["a"]), helper.make_node("Dropout", ["a", "ratio"], ["y"])],
+                  {"w": np.arange(1.0, 7.0).reshape(2, 3), "ratio": np.array(0.5)})
+    x = np.ones((2, 3), np.float32)
+    s = TrainingSession(model, loss=losses.MSELoss(output="y", target="t"), optimizer=optim.SGD(lr=0.0))
+    assert s.parameters().keys() == {"w"}
+    np.testing.assert_array_equal(s.eval({"x": x})["y"], np.arange(1.0, 7.0).reshape(2, 3))
+    losses_seen = {s.step({"x": x, "t": np.zeros((2, 3), np.float32)}) for _ in range(6)}
+    assert len(losses_seen) > 1                              # a fresh mask every step
+    frozen = TrainingSession(model, loss=losses.MSELoss(output="y", target="t"), optimizer=optim.SGD(lr=0.0),
+                             train_mode=False)
+    assert len({frozen.step({"x": x, "t": np.zeros((2, 3), np.float32)}) for _ in range(3)}) == 1
+
+
+# -- trainer habits ------------------------------------------------------------------------------------------
+def _mlp():
+    return MODELS / "mlp_dynamo.onnx"
+
+
+def _mlp_feeds(seed=0):
+    data = _fixture("mlp_dynamo")
+    rng = np.random.default_rng(seed)
+    return {"x": data["input/x"], "target": rng.standard_normal(data["output/y"].shape).astype(np.float32)}
+
+
+def test_parameter_groups_choose_weight_decay_by_name():
+    opt = optim.AdamW(lr=1e-2, weight_decay=0.5, param_groups=[{"params": r"\.bias$", "weight_decay": 0.0}])
+    s = TrainingSession(_mlp(), loss=losses.MSELoss(output="y"), optimizer=opt, keep_grads=True)
+    plain = TrainingSession(_mlp(), loss=losses.MSELoss(output="y"), optimizer=optim.AdamW(lr=1e-2, weight_decay=0.5))
+    nodecay = TrainingSession(_mlp(), loss=losses.MSELoss(output="y"), optimizer=optim.AdamW(lr=1e-2, weight_decay=0))
+    for sess in (s, plain, nodecay):
+        sess.step(_mlp_feeds())
+    got, with_decay, without = s.parameters(), plain.parameters(), nodecay.parameters()
+    for name in got:
+        want = without[name] if name.endswith(".bias") else with_decay[name]
+        np.testing.assert_array_equal(got[name], want, err_msg=name)
+    assert opt.config()["param_groups"] == [{"params": r"\.bias$", "weight_decay": 0.0}]
+    assert optim.from_config(opt.config()) == opt
+    with pytest.raises(optim.OptimizerError, match="learning rate"):
+        optim.SGD(param_groups=[{"params": "bias", "lr": 0.1}])
+    with pytest.raises(optim.OptimizerError, match="params"):
+        optim.SGD(param_groups=[{"weight_decay": 0.1}])
+
+
+def test_last_gradients_are_available_when_asked_for():
+    s = TrainingSession(_mlp(), loss=losses.MSELoss(output="y"), optimizer=optim.SGD(lr=0.1), keep_grads=True)
+    before = s.parameters()
+    s.step(_mlp_feeds())
+    after, grads = s.parameters(), s.grads()
+    for name in before:
+        np.testing.assert_allclose(after[name], before[name] - 0.1 * grads[name], rtol=1e-6, atol=1e-7)
+    with pytest.raises(OnnxGradError, match="keep_grads"):
+        TrainingSession(_mlp(), loss=losses.MSELoss(output="y")).grads()
+
+
+@pytest.mark.parametrize("lr", [float("nan"), float("inf"), -1.0])
+def test_invalid_learning_rate_is_refused_before_anything_changes(lr):
+    s = TrainingSession(_mlp(), loss=losses.MSELoss(output="y"), optimizer=optim.SGD(lr=0.1))
+    before = s.parameters()
+    with pytest.raises(OnnxGradError, match="learning rate"):
+        s.step(_mlp_feeds(), lr=lr)
+    s.lr = lr
+    with pytest.raises(OnnxGradError, match="learning rate"):
+        s.step(_mlp_feeds())
+    assert s.step_count == 0
+    for name, value in s.parameters().items():
+        np.testing.assert_array_equal(value, before[name])
+
+
+def test_rank0_parameter_checkpoint_round_trips(tmp_path):
+    model = _tiny([helper.make_node("Mul", ["x", "temperature"], ["y"])], {"temperature": np.array(1.5)})
+    s = TrainingSession(model, loss=losses.MSELoss(output="y", target="t"), optimizer=optim.SGD(lr=0.1))
+    assert s.parameters()["temperature"].shape == ()
+    s.step({"x": np.ones((2, 3), np.float32), "t": np.zeros((2, 3), np.float32)})
+    s.save(tmp_path / "ckpt")
+    resumed = TrainingSession.load(tmp_path / "ckpt")
+    assert resumed.parameters()["temperature"].shape == ()
+    assert resumed.parameters()["temperature"] == s.parameters()["temperature"]
+
+
+def test_saves_follow_the_umask_and_leave_no_temporary_files(tmp_path):
+    s = TrainingSession(_mlp(), loss=losses.MSELoss(output="y"), optimizer=optim.SGD(lr=0.1))
+    # a temporary file a killed writer left behind (its process id is not running)
+    stale = tmp_path / ".ckpt.999999999.abcd.tmp"
+    stale.write_bytes(b"partial")
+    old = os.umask(0o027)
+    try:
+        s.save(tmp_path / "ckpt")
+        s.export(tmp_path / "model.onnx")
+    finally:
+        os.umask(old)
+    for name in ("ckpt", "model.onnx"):
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o640, name
+    for _ in range(3):
+        s.save(tmp_path / "ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "model.onnx"]
+
+
+def test_explicit_trainable_list_overrides_the_policy():
+    s = TrainingSession(_mlp(), loss=losses.MSELoss(output="y"), trainable=["fc1.weight"])
+    assert list(s.spec.params) == ["fc1.weight"]
+    with pytest.raises(onnxgrad.UnknownNameError, match="not float initializers"):
+        TrainingSession(_mlp(), loss=losses.MSELoss(output="y"), trainable=["nope"])
+
+
+# -- the command line shows the decision --------------------------------------------------------------------
+def test_params_command_lists_trainable_and_left_out(capsys):
+    assert cli_main(["params", str(MODELS / "cnn_legacy.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "trainable parameters of" in out and "bn.weight" in out
+    assert "bn.running_mean: running statistic" in out
+    assert cli_main(["params", str(MODELS / "gpt_dynamo.onnx")]) == 0
+    out = capsys.readouterr().out
+    assert "val_2 (PyTorch 'blocks.0.attn.qkv.weight')" in out
+
+
+def test_cli_training_artifacts_train_mode_by_default(tmp_path, capsys):
+    model = tmp_path / "cnn.onnx"
+    model.write_bytes((MODELS / "cnn_legacy.onnx").read_bytes())
+    assert cli_main([str(model), "--loss-fn", "mse", "--predictions", "y", "--target", "t",
+                     "--optimizer", "sgd", "--lr", "0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "train mode" in out and "running statistic" in out
+    train = onnx.load(tmp_path / "cnn.train.onnx")
+    spec = onnxgrad.artifacts.TrainingSpec.of(train)
+    assert spec.train_mode and set(spec.buffers) == {"bn.running_mean", "bn.running_var",
+                                                     "block.bn1.running_mean", "block.bn1.running_var",
+                                                     "block.bn2.running_mean", "block.bn2.running_var"}
+    ref = dict(np.load(MODELS / "train_step" / "cnn_legacy.npz"))
+    with np.load(tmp_path / "cnn.train.init.npz") as z:
+        feeds = {k: z[k] for k in z.files}
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 2           # warnings would show initializers that are also inputs
+    sess = ort.InferenceSession(train.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    out = dict(zip(names, sess.run(None, {**feeds, "x": ref["x"], "t": ref["t"]})))
+    assert float(out["loss"]) == pytest.approx(float(ref["loss_before"]), abs=1e-5)
+    for key in ref:
+        if key.startswith(("param/", "running/")):
+            np.testing.assert_allclose(out[key.split("/", 1)[1] + ".next"], ref[key], rtol=0, atol=2e-6)
