@@ -65,20 +65,23 @@ def dependencies(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> set
     return _reverse_walk(nodes, targets)[0]
 
 
-def live_nodes(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> list[onnx.NodeProto]:
-    """The nodes the targets depend on, in their original order (dead code dropped)."""
-    return _reverse_walk(nodes, targets)[1]
+def live_nodes(nodes: Sequence[onnx.NodeProto], targets: Iterable[str],
+               cut: Iterable[str] = ()) -> list[onnx.NodeProto]:
+    """The nodes the targets depend on, in their original order (dead code dropped); the walk
+    stops at the tensors in ``cut`` (their producers are not needed)."""
+    return _reverse_walk(nodes, targets, set(cut))[1]
 
 
-def _reverse_walk(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> tuple[set[str], list]:
-    live = set(targets)
+def _reverse_walk(nodes: Sequence[onnx.NodeProto], targets: Iterable[str],
+                  cut: set[str] = frozenset()) -> tuple[set[str], list]:
+    live = set(targets) - cut
     kept = []
     for node in reversed(nodes):
         if any(o in live for o in node.output if o):
             kept.append(node)
-            live.update(x for x in node.input if x)
+            live.update(x for x in node.input if x and x not in cut)
             if M.has_subgraph(node):
-                live |= M.subgraph_inputs(node)
+                live |= M.subgraph_inputs(node) - cut
     kept.reverse()
     return live, kept
 

@@ -23,6 +23,7 @@ import onnx
 import onnx.version_converter
 from onnx import TensorProto, helper
 
+from . import graph as G
 from . import model as M
 from .autodiff import grad
 from .builder import Builder, NameScope, TensorInfo, Var
@@ -250,7 +251,7 @@ class _Lowering:
                                     f"{len(leaves)} names in xs and zs")
         if len(node.output) > len(xs):
             raise InvalidModelError(f"Gradient node '{label}' has {len(node.output)} outputs for {len(xs)} xs")
-        cone = _cone(self.done, y, set(leaves))
+        cone = G.live_nodes(self.done, [y], cut=leaves)
         free = _free_names(cone, set(leaves))
         infos, types = self._infos(leaves + free + [y])
         wanted = [x for k, x in enumerate(xs) if k < len(node.output) and node.output[k]]
@@ -348,21 +349,6 @@ def _copy(node: onnx.NodeProto, rename=None, name: str | None = None) -> onnx.No
     if name is not None:
         c.name = name
     return c
-
-
-def _cone(nodes: Sequence[onnx.NodeProto], y: str, leaves: set[str]) -> list[onnx.NodeProto]:
-    """The nodes computing y, cut at the leaves (in graph order)."""
-    if y in leaves:
-        return []
-    needed = {y}
-    cone = []
-    for node in reversed(nodes):
-        if any(o in needed for o in node.output if o):
-            cone.append(node)
-            needed.update(x for x in node.input if x and x not in leaves)
-            needed |= M.subgraph_inputs(node) - leaves
-    cone.reverse()
-    return cone
 
 
 def _free_names(cone: Sequence[onnx.NodeProto], leaves: set[str]) -> list[str]:

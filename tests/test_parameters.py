@@ -334,3 +334,38 @@ def test_cli_training_artifacts_train_mode_by_default(tmp_path, capsys):
     for key in ref:
         if key.startswith(("param/", "running/")):
             np.testing.assert_allclose(out[key.split("/", 1)[1] + ".next"], ref[key], rtol=0, atol=2e-6)
+
+
+def test_exporter_constants_stay_constant_through_training(tmp_path):
+    """The attention scale, masks and GELU constants of a dynamo export are not trained (they were)."""
+    data = _fixture("gpt_dynamo")
+    model = onnx.load(MODELS / "gpt_dynamo.onnx")
+    s = TrainingSession(model, loss=losses.MSELoss(output="logits", target="t"), optimizer=optim.AdamW(lr=1e-2))
+    feeds = {"idx": data["input/idx"], "pos": data["input/pos"], "t": np.zeros_like(data["output/logits"])}
+    for _ in range(3):
+        s.step(feeds)
+    s.export(tmp_path / "trained.onnx")
+    before = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    after = {i.name: numpy_helper.to_array(i) for i in onnx.load(tmp_path / "trained.onnx").graph.initializer}
+    trained = set(s.spec.params)
+    assert trained == {k[len("param/"):] for k in data if k.startswith("param/")}
+    for name, value in before.items():
+        if name in after and name not in trained:
+            np.testing.assert_array_equal(after[name], value, err_msg=name)
+    assert any(not np.array_equal(after[n], before[n]) for n in trained)
+
+
+def test_tanh_gelu_exponent_is_a_constant_not_a_parameter():
+    """Pow(x, 3.0) of a tanh-GELU export: the exponent's gradient x^3 ln(x) is NaN for x < 0, so
+    training it would refuse every step; it is an exporter constant and is not trained."""
+    rng = np.random.default_rng(3)
+    model = _tiny([helper.make_node("MatMul", ["x", "w"], ["h"]),
+                   helper.make_node("Pow", ["h", "val_7"], ["cube"]),
+                   helper.make_node("Mul", ["cube", "val_8"], ["y"])],
+                  {"w": rng.standard_normal((3, 3)), "val_7": np.array(3.0), "val_8": np.array(0.044715)})
+    s = TrainingSession(model, loss=losses.MSELoss(output="y", target="t"), optimizer=optim.SGD(lr=0.01))
+    assert list(s.spec.params) == ["w"]
+    x = rng.standard_normal((2, 3)).astype(np.float32)
+    for _ in range(3):
+        assert np.isfinite(s.step({"x": x, "t": np.zeros((2, 3), np.float32)}))
+    assert s.step_count == 3
