@@ -42,7 +42,7 @@ from .builder import Builder, NameScope, TensorInfo, Var
 from .check import gradient_spec
 from .errors import OnnxGradError, UnknownNameError
 from .optim import AdamW, Optimizer, UpdateContext
-from .params import ParameterReport, parameters
+from .params import ParameterReport, parameters, restore_ties
 from .train_mode import to_eval_mode, to_train_mode
 
 __all__ = ["TrainingSpec", "TrainingArtifacts", "build", "META_KEY"]
@@ -174,6 +174,10 @@ def build(
     frozen = list(dict.fromkeys(frozen))
     report = parameters(loss_model, loss=loss_name, frozen=frozen, strict_tags=strict_tags)
     params = _chosen(report, trainable, frozen) if trainable is not None else report.trainable
+    if trainable is None:      # tied copies are computed from the parameter they copy, as in PyTorch
+        loss_model = restore_ties(loss_model, report)
+        if forward is not None:
+            forward = restore_ties(forward, report)
     if not params:
         left = "; ".join(p.line() for p in report.left_out[:8]) + (" ..." if len(report.left_out) > 8 else "")
         raise OnnxGradError(f"nothing to train: no float initializer of the model is a trainable parameter for "

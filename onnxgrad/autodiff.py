@@ -123,10 +123,17 @@ class _Pass:
 
     def _wrt(self, wrt) -> list[str]:
         if wrt is None:
-            from .params import parameters
+            from .params import parameters, restore_ties
 
-            return parameters(self.model, loss=self.loss, of=self.of or None, strict_tags=self.strict,
-                              _facts=(self.infos, self.reach)).trainable
+            report = parameters(self.model, loss=self.loss, of=self.of or None, strict_tags=self.strict,
+                                _facts=(self.infos, self.reach))
+            if any(p.tied_to for p in report):       # tied copies are computed from their parameter
+                self.model = restore_ties(self.model, report)
+                self.nodes = list(self.model.graph.node)
+                self.producer = {o: node for node in self.nodes for o in node.output if o}
+                self.reach = G.gradient_reach(self.nodes, self.targets, self.opset, self.infos, self.strict,
+                                              self._positions)
+            return report.trainable
         for name in wrt:
             if name not in self.known:
                 raise UnknownNameError(

@@ -13,9 +13,11 @@ differentiated outputs) and it is what PyTorch would train. In this order:
    signature's kind of each initializer (``PARAMETER`` trains; ``BUFFER`` and
    ``CONSTANT_TENSOR`` do not), and for tensors the exporter's optimizer folded
    (``folded_from``), the parameter they were folded from: a copy one-to-one with a single
-   parameter (transposed, reshaped, sliced) trains as that parameter; a copy that repeats a
-   parameter's elements (a folded Gather or Expand: a token-type row, a class token,
-   relative-position biases) or a second copy of a parameter another initializer holds is
+   parameter (transposed, reshaped, sliced) trains as that parameter. A second copy of a
+   parameter another initializer holds (tied embeddings) is computed from that one when it
+   is exactly its transpose or reshape (:func:`restore_ties`: the tie holds, as in
+   PyTorch); a copy that repeats a parameter's elements (a folded Gather or Expand: a
+   token-type row, a class token, relative-position biases) or any other second copy is
    not trained, with the reason, since training it separately would break the tie.
 5. Without metadata (the TorchScript exporter, other producers): tensors holding
    non-finite values or only 0s and 1s (masks), scalars and constant fills under
@@ -41,7 +43,7 @@ from . import model as M
 from .builder import TensorInfo
 from .errors import UnknownNameError
 
-__all__ = ["Parameter", "ParameterReport", "parameters"]
+__all__ = ["Parameter", "ParameterReport", "parameters", "restore_ties"]
 
 KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 FOLDED_KEY = "pkg.onnxscript.optimizer.folded_from"
@@ -69,6 +71,8 @@ class Parameter:
     trainable: bool
     reason: str
     torch_name: str | None = None
+    tied_to: str | None = None        # a copy of this trained initializer, computed from it (see restore_ties)
+    tie_op: str | None = None         # how: "Transpose" or "Reshape"
 
     def line(self) -> str:
         torch = f" (PyTorch '{self.torch_name}')" if self.torch_name and self.torch_name != self.name else ""
@@ -152,7 +156,7 @@ def parameters(
                                f"of the model (initializers: {listed})")
     facts = _ModelFacts(model)
     decisions = [_decide(init, facts, set(frozen), reach, what) for init in floats]
-    return ParameterReport(_break_ties(decisions, facts), what)
+    return ParameterReport(_break_ties(decisions, facts, {i.name: i for i in floats}), what)
 
 
 class _ModelFacts:
@@ -292,9 +296,12 @@ def _decide_by_value(init: onnx.TensorProto) -> Parameter:
     return Parameter(name, True, "float initializer with a differentiable path (no exporter metadata)")
 
 
-def _break_ties(decisions: list[Parameter], facts: _ModelFacts) -> list[Parameter]:
+def _break_ties(decisions: list[Parameter], facts: _ModelFacts, values: Mapping[str, onnx.TensorProto]
+                ) -> list[Parameter]:
     """A PyTorch parameter held by several trainable initializers trains once: the first holder
-    (an unfolded one if there is one); the other copies are left out with the reason."""
+    (an unfolded one if there is one). A copy that is exactly its transpose or a reshape of it is
+    computed from it (:func:`restore_ties`), so the tie holds as in PyTorch; other copies are left
+    out with the reason."""
     holders: dict[str, list[int]] = {}
     for k, p in enumerate(decisions):
         if p.trainable and p.torch_name:
@@ -308,8 +315,55 @@ def _break_ties(decisions: list[Parameter], facts: _ModelFacts) -> list[Paramete
         keep = direct[0] if direct else ks[0]
         for k in ks:
             if k != keep and out[k].trainable:
-                p = out[k]
-                out[k] = Parameter(p.name, False, f"a second copy of PyTorch parameter '{torch_name}', which "
-                                   f"'{decisions[keep].name}' holds and trains: training both would break their "
-                                   f"tie; {NO_FOLDING_HINT}", p.torch_name)
+                p, holder = out[k], decisions[keep].name
+                op = _tie_op(values[p.name], values[holder])
+                if op is not None:
+                    out[k] = Parameter(p.name, False, f"a copy of PyTorch parameter '{torch_name}' ({op} of "
+                                       f"'{holder}'): computed from it, so the tie holds", p.torch_name, holder, op)
+                else:
+                    out[k] = Parameter(p.name, False, f"a second copy of PyTorch parameter '{torch_name}', which "
+                                       f"'{holder}' holds and trains: training both would break their tie; "
+                                       f"{NO_FOLDING_HINT}", p.torch_name)
     return out
+
+
+def _tie_op(copy: onnx.TensorProto, holder: onnx.TensorProto) -> str | None:
+    """"Transpose" or "Reshape" when ``copy`` is exactly that of ``holder``, else None."""
+    if copy.data_type != holder.data_type or np.prod(copy.dims) != np.prod(holder.dims):
+        return None
+    a, b = numpy_helper.to_array(copy), numpy_helper.to_array(holder)
+    if a.ndim == 2 and b.ndim == 2 and a.shape == b.shape[::-1] and np.array_equal(a, b.T):
+        return "Transpose"
+    if np.array_equal(a.reshape(-1), b.reshape(-1)):
+        return "Reshape"
+    return None
+
+
+def restore_ties(model: onnx.ModelProto, report: ParameterReport) -> onnx.ModelProto:
+    """A copy of ``model`` in which every initializer the report found tied to a trained one is
+    computed from it (a Transpose or Reshape node), so that training updates both as one
+    parameter and its gradient sums both uses, as in PyTorch."""
+    ties = [p for p in report if p.tied_to]
+    if not ties:
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    dims = {i.name: list(i.dims) for i in g.initializer}
+    tied = {p.name for p in ties}
+    kept = [i for i in g.initializer if i.name not in tied]
+    del g.initializer[:]
+    g.initializer.extend(kept)
+    nodes = []
+    for p in ties:
+        scope = f"{p.name}/tie"
+        if p.tie_op == "Transpose":
+            nodes.append(onnx.helper.make_node("Transpose", [p.tied_to], [p.name], name=scope, perm=[1, 0]))
+        else:
+            shape = f"{scope}/shape"
+            g.initializer.append(numpy_helper.from_array(np.array(dims[p.name], np.int64), shape))
+            nodes.append(onnx.helper.make_node("Reshape", [p.tied_to, shape], [p.name], name=scope))
+    rest = list(g.node)
+    del g.node[:]
+    g.node.extend(nodes + rest)
+    return m

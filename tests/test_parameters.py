@@ -110,17 +110,18 @@ def test_a_weight_behind_an_integer_cast_is_not_a_parameter_and_a_cut_wrt_is_unu
 
 
 def test_folded_copies_that_repeat_a_parameter_are_not_trained_silently():
-    """dynamo metadata: a transposed weight trains as its parameter; a folded Expand of a class token
-    repeats its elements and a second copy of a tied weight would break the tie: both are left out."""
+    """dynamo metadata: a folded Expand of a class token repeats its elements, and a row-permuted second
+    copy of a weight would break the tie: both are left out with the reason; a transposed copy is tied back."""
     rng = np.random.default_rng(1)
     token = rng.standard_normal((1, 3))
     weight = rng.standard_normal((3, 3))
     model = _tiny(
         [helper.make_node("Add", ["x", "cls_expanded"], ["a"]),
          helper.make_node("MatMul", ["a", "w_t"], ["b"]),
-         helper.make_node("MatMul", ["b", "w"], ["y"])],
-        {"cls_expanded": np.repeat(token, 2, axis=0), "w_t": weight.T, "w": weight})
-    for name, folded in (("cls_expanded", "['cls_token', 'val_4']"), ("w_t", "['w']")):
+         helper.make_node("MatMul", ["b", "w_rows"], ["c"]),
+         helper.make_node("MatMul", ["c", "w"], ["y"])],
+        {"cls_expanded": np.repeat(token, 2, axis=0), "w_t": weight.T, "w_rows": weight[[2, 0, 1]], "w": weight})
+    for name, folded in (("cls_expanded", "['cls_token', 'val_4']"), ("w_t", "['w']"), ("w_rows", "['w', 'val_5']")):
         vi = helper.make_tensor_value_info(name, F, [2, 3] if name == "cls_expanded" else [3, 3])
         vi.metadata_props.add(key="pkg.onnxscript.optimizer.folded_from", value=folded)
         model.graph.value_info.append(vi)
@@ -134,7 +135,8 @@ def test_folded_copies_that_repeat_a_parameter_are_not_trained_silently():
     assert report.trainable == ["w"]
     assert "repeats elements" in report["cls_expanded"].reason and "optimize=False" in report["cls_expanded"].reason
     assert report["cls_expanded"].torch_name == "cls_token"
-    assert "second copy" in report["w_t"].reason and "tie" in report["w_t"].reason
+    assert "tie holds" in report["w_t"].reason and report["w_t"].tied_to == "w"      # restored as Transpose(w)
+    assert "second copy" in report["w_rows"].reason and "break their tie" in report["w_rows"].reason
 
 
 # -- train mode against PyTorch ---------------------------------------------------------------------------
@@ -369,3 +371,43 @@ def test_tanh_gelu_exponent_is_a_constant_not_a_parameter():
     for _ in range(3):
         assert np.isfinite(s.step({"x": x, "t": np.zeros((2, 3), np.float32)}))
     assert s.step_count == 3
+
+
+def _tied_model():
+    """Tied embeddings as the dynamo exporter writes them: the table, and its transpose folded for the head."""
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((3, 3))
+    model = _tiny([helper.make_node("MatMul", ["x", "wte"], ["h"]),
+                   helper.make_node("Tanh", ["h"], ["a"]),
+                   helper.make_node("MatMul", ["a", "val_9"], ["y"])],
+                  {"wte": table, "val_9": table.T})
+    vi = helper.make_tensor_value_info("val_9", F, [3, 3])
+    vi.metadata_props.add(key="pkg.onnxscript.optimizer.folded_from", value="['wte']")
+    model.graph.value_info.append(vi)
+    vi = helper.make_tensor_value_info("wte", F, [3, 3])
+    vi.metadata_props.add(key="pkg.torch.export.graph_signature.InputSpec.kind", value="PARAMETER")
+    model.graph.value_info.append(vi)
+    return model, table
+
+
+def test_tied_copies_are_computed_from_their_parameter():
+    """PyTorch trains one tensor for tied weights and sums both uses' gradients: so do we."""
+    model, table = _tied_model()
+    report = parameters(model)
+    assert report.trainable == ["wte"]
+    assert report["val_9"].tied_to == "wte" and "tie holds" in report["val_9"].reason
+    rng = np.random.default_rng(6)
+    x, seed = rng.standard_normal((2, 3)), rng.standard_normal((2, 3))
+    gm = onnxgrad.grad(model)                      # default wrt: the tie is restored
+    got = ort.InferenceSession(gm.SerializeToString()).run(
+        ["wte_grad"], {"x": x.astype(np.float32), "y_grad": seed.astype(np.float32)})[0]
+    h = np.tanh(x @ table)                         # y = tanh(x W) W^T: dW = x^T ((dy W) * (1 - h^2)) + dy^T h
+    want = x.T @ ((seed @ table) * (1 - h ** 2)) + seed.T @ h
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    s = TrainingSession(model, loss=losses.MSELoss(output="y", target="t"), optimizer=optim.SGD(lr=0.1))
+    s.step({"x": x.astype(np.float32), "t": np.zeros((2, 3), np.float32)})
+    exported = s.exported_model()
+    sess = ort.InferenceSession(exported.SerializeToString())
+    w = s.parameters()["wte"]
+    np.testing.assert_allclose(sess.run(None, {"x": x.astype(np.float32)})[0],
+                               np.tanh(x @ w) @ w.T, rtol=1e-5, atol=1e-5)
