@@ -10,6 +10,7 @@ from .model import MIN_OPSET
 from .registry import DIFFERENTIABLE, NON_DIFFERENTIABLE, all_rules
 
 _TAG = {DIFFERENTIABLE: "D", NON_DIFFERENTIABLE: "N"}
+_BEYOND = "N+"   # tagged NonDifferentiable, differentiated as PyTorch does (the rule's beyond_tags)
 
 
 @dataclass
@@ -20,6 +21,7 @@ class OpCoverage:
     opsets: list[int]            # schema versions in effect from opset 13 on
     tagged_differentiable: bool
     flags: list[str] = field(default_factory=list)
+    beyond_tags: list[str] = field(default_factory=list)   # inputs tagged N that the rule differentiates
     cases_passed: int = 0
     cases_checked: int = 0
     cases_declined: int = 0
@@ -60,10 +62,13 @@ def coverage() -> list[OpCoverage]:
         s = schemas[op]
         cats = [p.differentiation_category for p in s.inputs]
         untagged = all(c not in _TAG for c in cats)
-        tags = "untagged" if untagged or not cats else " ".join(
-            f"{p.name}:{_TAG.get(p.differentiation_category, '?')}" for p in s.inputs)
-        diff = [i for i, c in enumerate(cats) if c == DIFFERENTIABLE]
         rule = rules.get(op)
+        beyond = [] if rule is None or rule.stop else [
+            i for i in rule.beyond_tags if i < len(cats) and cats[i] == NON_DIFFERENTIABLE]
+        tags = "untagged" if untagged or not cats else " ".join(
+            f"{p.name}:{_BEYOND if i in beyond else _TAG.get(p.differentiation_category, '?')}"
+            for i, p in enumerate(s.inputs))
+        diff = [i for i, c in enumerate(cats) if c == DIFFERENTIABLE]
         flags = []
         if rule is None and s.deprecated:
             status = "deprecated"
@@ -79,14 +84,19 @@ def coverage() -> list[OpCoverage]:
         else:
             status = "rule"
             if rule.inputs is not None and not untagged:
-                extra = [i for i in rule.inputs if i < len(cats) and cats[i] == NON_DIFFERENTIABLE]
+                extra = [i for i in rule.inputs if i < len(cats) and cats[i] == NON_DIFFERENTIABLE
+                         and i not in beyond]
                 if extra:
                     flags.append(f"rule differentiates NonDifferentiable inputs {extra}")
+            stray = [i for i in rule.beyond_tags if i not in beyond]
+            if stray:
+                flags.append(f"beyond_tags {stray} are not inputs tagged NonDifferentiable")
             if rule.inputs is not None and not untagged:
                 lacking = [i for i in diff if i not in rule.inputs]
                 if lacking:
                     flags.append(f"rule leaves Differentiable inputs {lacking} without gradient")
-        rows.append(OpCoverage(op, tags, status, _versions(op), bool(diff), flags))
+        rows.append(OpCoverage(op, tags, status, _versions(op), bool(diff), flags,
+                               [s.inputs[i].name for i in beyond]))
     return rows
 
 
@@ -110,7 +120,8 @@ def print_table(run_cases: bool = False) -> int:
             row.cases_passed += outcome.status == "pass"
     width = max(len(r.op_type) for r in rows)
     print(f"{'op':<{width}}  {'status':<18}  {'opsets':<14}  {'cases':>7}  tags")
-    print(f"{'':<{width}}  {'':<18}  {'':<14}  {'':>7}  (D Differentiable, N NonDifferentiable)")
+    print(f"{'':<{width}}  {'':<18}  {'':<14}  {'':>7}  (D Differentiable, N NonDifferentiable, "
+          f"{_BEYOND} NonDifferentiable but given PyTorch's gradient)")
     for r in rows:
         cases = f"{r.cases_passed}/{r.cases_checked}" if run_cases and r.status == "rule" else "-"
         if r.cases_declined:
@@ -130,6 +141,10 @@ def print_table(run_cases: bool = False) -> int:
           f"missing: {sum(r.status == 'missing' for r in tagged)}")
     untagged_rules = [r.op_type for r in rows if r.tags == "untagged" and r.status == "rule"]
     print(f"untagged ops with a rule: {len(untagged_rules)} ({', '.join(untagged_rules)})")
+    beyond = [r for r in rows if r.beyond_tags]
+    print(f"inputs tagged NonDifferentiable that get PyTorch's gradient ({_BEYOND}; strict tag-following "
+          f"drops them): {sum(len(r.beyond_tags) for r in beyond)} in {len(beyond)} ops ("
+          + "; ".join(f"{r.op_type}: {', '.join(r.beyond_tags)}" for r in beyond) + ")")
     if run_cases:
         checked = sum(r.cases_checked for r in rows)
         passed = sum(r.cases_passed for r in rows)

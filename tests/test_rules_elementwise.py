@@ -26,6 +26,7 @@ def fmod_pair(xshape, yshape):
 
 F32 = TensorProto.FLOAT
 TIE = distinct(3, 4)
+FMOD_X, FMOD_Y = fmod_pair((3, 4), (3, 4))
 
 CASES = [
     # -- Add, Sub, Mul, Div, Neg: broadcasting both ways, scalars, unknown shapes
@@ -89,13 +90,21 @@ CASES = [
     Case("Min", [distinct(3, 4), distinct(3, 4) + 0.025], id="two"),
     Case("Min", [distinct(2, 3, 4), distinct(4) + 0.02, distinct(2, 1, 1) + 0.04], id="three-bcast", opset=13),
     Case("Min", [TIE, TIE.copy()], id="tie"),
-    # -- Clip: min/max are NonDifferentiable inputs (constants here); kinks avoided
-    Case("Clip", [distinct(3, 4), np.array(-0.225, np.float32), np.array(0.275, np.float32)], wrt=[0]),
-    Case("Clip", [distinct(3, 4), np.array(-0.225, np.float32)], wrt=[0], id="min-only"),
-    Case("Clip", [distinct(3, 4), None, np.array(0.275, np.float32)], wrt=[0], id="max-only"),
+    # -- Clip: x, and the bounds (tagged NonDifferentiable, differentiated as torch.clamp); kinks avoided
+    Case("Clip", [distinct(3, 4), np.array(-0.225, np.float32), np.array(0.275, np.float32)], wrt=[0],
+         id="x-only"),
+    Case("Clip", [distinct(3, 4), np.array(-0.225, np.float32), np.array(0.275, np.float32)], id="bounds"),
+    Case("Clip", [distinct(3, 4), np.array(0.275, np.float32), np.array(-0.225, np.float32)],
+         id="min-above-max"),
+    Case("Clip", [distinct(3, 4), np.array(-0.225, np.float32)], id="min-only"),
+    Case("Clip", [distinct(3, 4), None, np.array(0.275, np.float32)], id="max-only"),
+    Case("Clip", [distinct(3, 4), np.array([-0.225], np.float32), np.array([0.275], np.float32)],
+         id="bounds-shape-1"),
+    Case("Clip", [distinct(2, 3, 4), np.array(-0.125, np.float32), np.array(0.475, np.float32)], wrt=[1, 2],
+         id="bounds-only", opset=13),
     Case("Clip", [distinct(3, 4)], id="no-bounds"),
     Case("Clip", [distinct(3, 4), np.array(-0.225, np.float32), np.array(0.275, np.float32)],
-         wrt=[0], unknown_shapes=True, id="dynamic", opset=18),
+         unknown_shapes=True, id="dynamic", opset=18),
     Case("Clip", [distinct(3, 4), np.array(-0.225, np.float32), np.array(0.275, np.float32)],
          wrt=[0], dynamic=[1, 2], id="runtime-bounds"),
     # -- Where: condition NonDifferentiable; X, Y broadcast
@@ -110,10 +119,14 @@ CASES = [
     Case("Cast", [randn(3, 4)], attrs={"to": TensorProto.FLOAT}, id="same", unknown_shapes=True),
     Case("CastLike", [randn(3, 4), np.zeros(1, np.float64)], wrt=[0], id="to-double", opset=15),
     Case("Identity", [randn(3, 4)]),
-    # -- Mod (fmod=1): the dividend (the divisor is tagged NonDifferentiable); no jumps near the points
-    Case("Mod", list(fmod_pair((3, 4), (3, 4))), attrs={"fmod": 1}, wrt=[0]),
-    Case("Mod", list(fmod_pair((2, 3, 4), (4,))), attrs={"fmod": 1}, id="bcast", wrt=[0]),
-    Case("Mod", list(fmod_pair((3, 4), (3, 1))), attrs={"fmod": 1}, id="dynamic", unknown_shapes=True, wrt=[0]),
+    # -- Mod (fmod=1): the dividend, and the divisor (tagged NonDifferentiable, differentiated as
+    # torch.fmod); no jumps near the points
+    Case("Mod", list(fmod_pair((3, 4), (3, 4))), attrs={"fmod": 1}, wrt=[0], id="dividend"),
+    Case("Mod", list(fmod_pair((3, 4), (3, 4))), attrs={"fmod": 1}, id="both"),
+    Case("Mod", list(fmod_pair((2, 3, 4), (4,))), attrs={"fmod": 1}, id="bcast"),
+    Case("Mod", [FMOD_X, -FMOD_Y], attrs={"fmod": 1}, id="negative-divisor", opset=13),
+    Case("Mod", [FMOD_X, -FMOD_Y], attrs={"fmod": 0}, id="floor-opset28", opset=28),
+    Case("Mod", list(fmod_pair((3, 4), (3, 1))), attrs={"fmod": 1}, id="dynamic", unknown_shapes=True),
     # -- Range: start and delta (limit's derivative is zero almost everywhere)
     Case("Range", [np.array(0.3, np.float32), np.array(2.0, np.float32), np.array(0.35, np.float32)],
          wrt=[0, 2], id="start-delta"),
@@ -220,3 +233,52 @@ def test_erf_against_float64_differences(opset):
     got64 = Runner(onnxgrad.check.to_float64(gm))({"x": x64, "y_grad": dy.astype(np.float64)})["x_grad"]
     # (1e-6, the harness's tol64 is 1e-5: log(2 / sqrt(pi)) is a float32 constant widened to float64)
     np.testing.assert_allclose(got64, numeric, rtol=1e-6, atol=1e-9)
+
+
+# -- beyond the schema tags: Clip's bounds and Mod's divisor as PyTorch differentiates them -----
+CLAMP_X = np.array([-2.0, -1.0, 0.0, 0.5, 1.0, 2.0], np.float32)
+
+
+@pytest.mark.parametrize("lo, hi", [(-1.0, 1.0), (0.5, 0.5), (1.0, 0.0), (0.7, 0.5), (-1.0, None), (None, 0.5),
+                                    (np.array([-0.5], np.float32), np.array([0.5], np.float32))],
+                         ids=["inside", "lo-eq-hi", "lo-above-hi", "lo-above-hi-tie", "lo-only", "hi-only",
+                              "shape-1"])
+def test_clip_matches_torch_clamp(lo, hi):
+    """Ties (x == lo, x == hi, lo == hi) and lo > hi, where central differences say nothing:
+    the gradients of x, lo and hi are torch.clamp's with tensor bounds."""
+    torch = pytest.importorskip("torch")
+    feeds = {"x": CLAMP_X}
+    feeds.update({name: np.asarray(v, np.float32) for name, v in (("lo", lo), ("hi", hi)) if v is not None})
+    node = helper.make_node("Clip", [name if name in feeds else "" for name in ("x", "lo", "hi")], ["y"])
+    model = make_model([node], [helper.make_tensor_value_info(k, F32, list(v.shape)) for k, v in feeds.items()],
+                       [helper.make_tensor_value_info("y", F32, list(CLAMP_X.shape))], opset=13)
+    gm = onnxgrad.grad(model, wrt=list(feeds), of=["y"])
+    seed = np.arange(1.0, 7.0, dtype=np.float32)
+    got = Runner(gm)({**feeds, "y_grad": seed})
+    tensors = {k: torch.tensor(v, requires_grad=True) for k, v in feeds.items()}
+    y = torch.clamp(tensors["x"], min=tensors.get("lo"), max=tensors.get("hi"))
+    np.testing.assert_array_equal(got["y"], y.detach().numpy())
+    want = torch.autograd.grad(y, list(tensors.values()), torch.tensor(seed))
+    for name, w in zip(tensors, want):
+        np.testing.assert_array_equal(got[f"{name}_grad"], w.numpy(), err_msg=name)
+
+
+@pytest.mark.parametrize("fmod, opset", [(1, 13), (0, 28)], ids=["fmod", "remainder-opset28"])
+def test_mod_divisor_matches_torch(fmod, opset):
+    """fmod=1 is torch.fmod, fmod=0 (floats from opset 28) torch.remainder: both gradients, the divisor's too."""
+    torch = pytest.importorskip("torch")
+    x, y = fmod_pair((2, 3), (3,))
+    y = y * np.array([1, -1, 1], np.float32)
+    model = make_model([helper.make_node("Mod", ["x", "d"], ["z"], fmod=fmod)],
+                       [helper.make_tensor_value_info("x", F32, [2, 3]), helper.make_tensor_value_info("d", F32, [3])],
+                       [helper.make_tensor_value_info("z", F32, [2, 3])], opset=opset)
+    gm = onnxgrad.grad(model, wrt=["x", "d"], of=["z"])
+    seed = randn(2, 3)
+    got = Runner(gm)({"x": x, "d": y, "z_grad": seed})
+    tx, ty = torch.tensor(x, requires_grad=True), torch.tensor(y, requires_grad=True)
+    z = torch.fmod(tx, ty) if fmod else torch.remainder(tx, ty)
+    np.testing.assert_allclose(got["z"], z.detach().numpy(), rtol=1e-6, atol=1e-6)
+    want = torch.autograd.grad(z, [tx, ty], torch.tensor(seed))
+    np.testing.assert_allclose(got["x_grad"], want[0].numpy(), rtol=1e-6)
+    np.testing.assert_allclose(got["d_grad"], want[1].numpy(), rtol=1e-6, atol=1e-6)
+    assert np.any(got["d_grad"] != 0)

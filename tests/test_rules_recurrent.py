@@ -20,7 +20,7 @@ from harness import Case, randn, run_case
 from onnxgrad.check import Runner
 from onnxgrad.reference_ops import recurrent_reference
 from onnxgrad.errors import UnsupportedOpError
-from onnxgrad.registry import get_rule
+from onnxgrad.registry import NON_DIFFERENTIABLE, beyond_tags_inputs, get_rule, get_schema
 
 T, B, I, H = 3, 2, 3, 4          # seq, batch, input, hidden
 
@@ -53,7 +53,7 @@ def lstm(D=1, layout=0, h0=True, seq=None, peep=False):
     return [x, w(D, 4 * H, I), w(D, 4 * H, H), w(D, 8 * H), seq, *init] + ([w(D, 3 * H)] if peep else [])
 
 
-PARAMS = [0, 1, 2, 3]        # X, W, R, B (initial states are NonDifferentiable in the schemas)
+PARAMS = [0, 1, 2, 3]        # X, W, R, B (the initial states, tagged NonDifferentiable: INITIAL_STATE)
 BIDI = {"direction": "bidirectional"}
 REV = {"direction": "reverse"}
 
@@ -164,22 +164,66 @@ def test_model_without_Y(op, inputs, attrs):
     assert r.ok(case.tol32), r.errors
 
 
-@pytest.mark.parametrize("op, inputs, positions", [
-    ("RNN", rnn(seq=lens(2, 3)), [0, 5]),
-    ("GRU", gru(2, seq=lens(3, 2)), [0, 5]),
-    ("LSTM", lstm(2, seq=lens(1, 3), peep=True), [0, 5, 6]),
-], ids=["RNN", "GRU", "LSTM"])
-def test_initial_state_gradient(monkeypatch, op, inputs, positions):
-    """initial_h/initial_c are NonDifferentiable in the schemas; registering them exposes the rules' gradient."""
+# initial_h / initial_c: tagged NonDifferentiable by the schemas, differentiated as PyTorch's h_0 / c_0
+INITIAL_STATE = [
+    Case("RNN", rnn(seq=lens(2, 3)), {"hidden_size": H}, wrt=[0, 5], outputs=2, opset=13, id="seq-lens"),
+    Case("RNN", rnn(2, layout=1), {"hidden_size": H, "layout": 1, **BIDI}, wrt=PARAMS + [5], outputs=2,
+         opset=22, id="bidirectional-layout1"),
+    Case("RNN", rnn(), {"hidden_size": H, **REV}, wrt=[5], id="reverse-Y-only-h0-only"),
+    Case("GRU", gru(2, seq=lens(3, 2)), {"hidden_size": H, **BIDI}, wrt=[0, 5], outputs=2, opset=13,
+         id="seq-lens-bidirectional"),
+    Case("GRU", gru(), {"hidden_size": H, "linear_before_reset": 1, **REV}, wrt=PARAMS + [5], outputs=2,
+         id="reverse-lbr"),
+    Case("GRU", gru(2, layout=1), {"hidden_size": H, "layout": 1, **BIDI}, wrt=[5], outputs=2, opset=22,
+         id="bidirectional-layout1-h0-only"),
+    Case("LSTM", lstm(2, seq=lens(1, 3), peep=True), {"hidden_size": H, **BIDI}, wrt=[0, 5, 6], outputs=3,
+         opset=13, id="seq-lens-bidirectional-peepholes"),
+    Case("LSTM", lstm(peep=True), {"hidden_size": H, **REV}, wrt=PARAMS + [5, 6, 7], outputs=3,
+         id="reverse-peepholes"),
+    Case("LSTM", lstm(2, layout=1), {"hidden_size": H, "layout": 1, **BIDI}, wrt=[5, 6], outputs=3, opset=22,
+         id="bidirectional-layout1-states-only"),
+    Case("LSTM", lstm(), {"hidden_size": H, "clip": 0.9}, wrt=[6], outputs=3, id="clip-c0-only"),
+]
+
+
+@pytest.mark.parametrize("case", INITIAL_STATE, ids=_ids)
+def test_initial_state_gradient(case):
+    """initial_h/initial_c get gradients by default (beyond the schema's tags), checked like every other input."""
+    _check_reference(case)
+    run_case(case)
+
+
+@pytest.mark.parametrize("op, states", [("RNN", [5]), ("GRU", [5]), ("LSTM", [5, 6])])
+def test_initial_states_are_beyond_the_tags(op, states):
+    """The schemas tag the initial states NonDifferentiable: strict tag-following leaves them out."""
+    schema = get_schema(op, 22)
+    assert all(schema.inputs[i].differentiation_category == NON_DIFFERENTIABLE for i in states)
     rule = get_rule(op)
-    monkeypatch.setattr(rule, "inputs", tuple(sorted(set(rule.inputs) | {5, 6})))
-    attrs = {"hidden_size": H, **BIDI} if op != "RNN" else {"hidden_size": H}
-    run_case(Case(op, inputs, attrs, wrt=positions, outputs={"LSTM": 3}.get(op, 2), opset=13))
+    n_inputs = len(schema.inputs)
+    assert set(states) <= set(rule.differentiable_inputs(schema, n_inputs))
+    assert not set(states) & set(rule.differentiable_inputs(schema, n_inputs, strict=True))
+    assert set(rule.differentiable_inputs(schema, n_inputs, strict=True)) == set(rule.inputs)
+    assert beyond_tags_inputs(op) == tuple(states)
 
 
-def test_initial_state_is_not_differentiated_by_default():
-    model, _, _ = harness.case_model(Case("GRU", gru(), {"hidden_size": H}, wrt=PARAMS + [5], outputs=2))
+def test_initial_state_is_differentiated_by_default():
+    """A real gradient, not zeros: it matches central differences and no ConstantOfShape makes it."""
+    case = Case("GRU", gru(), {"hidden_size": H}, wrt=PARAMS + [5], outputs=2)
+    model, feeds, _ = harness.case_model(case)
     gm = onnxgrad.grad(model, wrt=["x0", "x5"], of=["y0", "y1"])
+    producer = {o: node for node in gm.graph.node for o in node.output}
+    assert producer["x5_grad"].op_type not in ("ConstantOfShape", "Identity")
+    r = onnxgrad.check.check(model, gm, feeds)
+    assert r.ok(case.tol32), r.errors
+    assert np.any(r.analytic["x5"] != 0)
+
+
+def test_initial_state_is_not_differentiated_in_strict_mode():
+    """strict_tags=True follows the schema's tags: initial_h carries no gradient (zeros with allow_unused)."""
+    model, _, _ = harness.case_model(Case("GRU", gru(), {"hidden_size": H}, wrt=PARAMS + [5], outputs=2))
+    with pytest.raises(onnxgrad.UnusedError, match="x5"):
+        onnxgrad.grad(model, wrt=["x0", "x5"], of=["y0", "y1"], strict_tags=True)
+    gm = onnxgrad.grad(model, wrt=["x0", "x5"], of=["y0", "y1"], strict_tags=True, allow_unused=True)
     outputs = [o.name for o in gm.graph.output]
     assert "x5_grad" in outputs   # zeros: the schema says initial_h is not differentiable
     producer = {o: node for node in gm.graph.node for o in node.output}

@@ -4,7 +4,15 @@ onnxruntime has no float64 Resize and no float64 GridSample-16, so the harness
 differentiates those forwards in onnx.reference; where the reference cannot run
 a configuration, the check below probes the forward op's Jacobian instead (the
 ops are linear in X, so feeding one-hot inputs reads it off exactly).
+
+GridSample's grid and AffineGrid's theta are tagged NonDifferentiable but get
+PyTorch's gradients: checked against central differences (GRID, AFFINE_GRID)
+and against torch.nn.functional.grid_sample / affine_grid where torch is installed.
 """
+from __future__ import annotations
+
+import itertools
+
 import numpy as np
 import onnx
 import pytest
@@ -13,7 +21,7 @@ from onnx import helper
 import harness
 import onnxgrad
 from harness import Case, randn, run_case
-from onnxgrad.check import Runner
+from onnxgrad.check import Runner, to_float64
 from onnxgrad.errors import UnsupportedOpError
 
 
@@ -31,7 +39,7 @@ def resize(inputs, attrs, **kw):
 
 
 def sample(op, inputs, attrs, **kw):
-    """A GridSample / RoiAlign case differentiating X only (grid and rois get no gradient)."""
+    """A GridSample / RoiAlign case differentiating X only (the grid / rois are constants here)."""
     return Case(op, inputs, attrs, wrt=[0], **kw)
 
 
@@ -174,6 +182,163 @@ GRID_SAMPLE = [
     sample("GridSample", [randn(1, 2, 4, 4), _grid(1, 3, 3, 2)], {"mode": "cubic"}, opset=20, dynamic=[1],
            unknown_shapes=True, id="dynamic-cubic"),
 ]
+
+
+# The grid's gradient (with X's): every mode, padding and align_corners, 4-D and 5-D. Grids stay
+# clear of the kinks (integer source coordinates, the borders) by the luck of the draw; cubic
+# "border" keeps its grid in bounds (onnxruntime departs from the spec outside, see above).
+# Opset 20 and 22 only: onnx.reference, the float64 forward of GridSample-16, rounds coordinates
+# to float32, too coarse for central differences in the grid (opset 16: the torch tests below).
+def grid_case(x, grid, attrs, opset=20, **kw):
+    return Case("GridSample", [x, grid], attrs, opset=opset, **kw)
+
+
+GRID = [
+    grid_case(randn(2, 2, 3, 4), _grid(2, 3, 2, 2, low=-1.6, high=1.6),
+              {"mode": mode, "padding_mode": padding, "align_corners": align},
+              id=f"{mode}-{padding}{'-align' if align else ''}")
+    for mode, padding, align in itertools.product(["linear", "cubic", "nearest"], ["zeros", "border", "reflection"],
+                                                  [0, 1])
+    if (mode, padding) != ("cubic", "border")
+] + [
+    grid_case(randn(1, 2, 4, 4), _grid(1, 3, 3, 2, low=-1, high=1), {"mode": "cubic", "padding_mode": "border"},
+              id="cubic-border-in-bounds"),
+    grid_case(randn(1, 2, 4, 4), _grid(1, 3, 3, 2, low=-1, high=1),
+              {"mode": "cubic", "padding_mode": "border", "align_corners": 1}, id="cubic-border-in-bounds-align"),
+    grid_case(randn(1, 2, 4, 5), _grid(1, 3, 3, 2, low=-3.5, high=3.5), {"padding_mode": "reflection"},
+              id="linear-reflection-several-turns"),
+    grid_case(randn(1, 2, 4, 5), _grid(1, 3, 3, 2, low=-3.5, high=3.5),
+              {"mode": "cubic", "padding_mode": "reflection", "align_corners": 1}, id="cubic-reflection-several-turns"),
+    grid_case(randn(1, 2, 1, 4), _grid(1, 3, 3, 2), {"align_corners": 1}, id="height-1-align"),
+    grid_case(randn(1, 2, 2, 3, 4), _grid(1, 2, 2, 3, 3, low=-1.4, high=1.4), {"mode": "linear"}, id="trilinear"),
+    grid_case(randn(1, 2, 2, 3, 4), _grid(1, 2, 2, 3, 3, low=-1.4, high=1.4),
+              {"mode": "linear", "padding_mode": "border", "align_corners": 1}, opset=22, id="trilinear-border-align"),
+    grid_case(randn(1, 2, 2, 3, 4), _grid(1, 2, 2, 3, 3, low=-2.5, high=2.5),
+              {"mode": "linear", "padding_mode": "reflection"}, opset=22, id="trilinear-reflection"),
+    grid_case(randn(1, 2, 2, 3, 4), _grid(1, 2, 2, 3, 3, low=-1.4, high=1.4), {"mode": "nearest"}, opset=22,
+              id="3d-nearest"),
+    grid_case(randn(2, 2, 3, 4), _grid(2, 3, 2, 2), {}, unknown_shapes=True, id="dynamic"),
+    grid_case(randn(1, 2, 4, 4), _grid(1, 3, 3, 2), {"mode": "cubic", "padding_mode": "reflection"},
+              unknown_shapes=True, id="dynamic-cubic"),
+]
+
+
+def affine(theta, size, attrs, **kw):
+    """An AffineGrid case: theta (tagged NonDifferentiable) differentiated, the int64 size a constant."""
+    return Case("AffineGrid", [theta, size], attrs, opset=20, **kw)
+
+
+AFFINE_GRID = [
+    affine(randn(2, 2, 3), i64(2, 3, 4, 5), {}, id="2d"),
+    affine(randn(2, 2, 3), i64(2, 3, 4, 5), {"align_corners": 1}, id="2d-align"),
+    affine(randn(1, 2, 3), i64(1, 1, 1, 4), {}, id="2d-height-1"),
+    affine(randn(1, 2, 3), i64(1, 1, 1, 4), {"align_corners": 1}, id="2d-height-1-align"),
+    affine(randn(2, 3, 4), i64(2, 1, 2, 3, 4), {}, id="3d"),
+    affine(randn(1, 3, 4), i64(1, 2, 3, 2, 2), {"align_corners": 1}, id="3d-align"),
+    affine(randn(2, 2, 3), i64(2, 3, 4, 5), {"align_corners": 1}, dynamic=[1], unknown_shapes=True,
+           id="dynamic"),
+    affine(randn(2, 3, 4), i64(2, 1, 2, 3, 4), {}, dynamic=[1], unknown_shapes=True, id="3d-dynamic"),
+]
+
+
+@pytest.mark.parametrize("case", GRID + AFFINE_GRID, ids=str)
+def test_beyond_tags(case):
+    run_case(case)
+
+
+def test_nearest_grid_gradient_is_zero():
+    """Nearest sampling is piecewise constant in the grid: its gradient is zeros, as PyTorch's."""
+    model, feeds, wrt = harness.case_model(grid_case(randn(1, 2, 3, 4), _grid(1, 3, 2, 2), {"mode": "nearest"}))
+    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    out = Runner(gm)({**feeds, "y0_grad": randn(1, 2, 3, 2)}, ["x0_grad", "x1_grad"])
+    assert np.all(out["x1_grad"] == 0) and np.any(out["x0_grad"] != 0)
+
+
+def test_grid_gradient_cubic_border_out_of_bounds():
+    """Cubic "border" out of bounds, where onnxruntime departs from the spec: the grid's gradient
+    against central differences of onnx.reference's float64 forward (the spec's semantics).
+
+    The reference rounds source coordinates to float32, so the differences take a step of 1e-3
+    and the points sit at least 0.2 pixels from a tap boundary (kinks) and from the borders."""
+    pixels = np.array([-2.3, -0.3, 0.4, 1.6, 2.7, 3.3, 4.2, 5.6, 1.25], np.float32)        # 4 pixels wide
+    columns, rows = pixels, np.roll(pixels, 3)
+    grid = (np.stack([columns, rows], axis=-1) * 2 + 1) / 4 - 1                           # align_corners=0
+    case = grid_case(randn(1, 2, 4, 4), grid.reshape(1, 3, 3, 2).astype(np.float32),
+                     {"mode": "cubic", "padding_mode": "border"})
+    model, feeds, wrt = harness.case_model(case)
+    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    seed = randn(1, 2, 3, 3)
+    analytic = Runner(gm)({**feeds, "y0_grad": seed}, ["x1_grad"])["x1_grad"]
+    forward = Runner(to_float64(model), prefer="reference")
+    assert forward.backend == "reference"
+    x64, grid64 = feeds["x0"].astype(np.float64), feeds["x1"].astype(np.float64)
+    numeric = np.zeros_like(grid64)
+    h = 1e-3
+    for j in range(grid64.size):
+        step = np.zeros(grid64.shape)
+        step.flat[j] = h
+        up, down = (forward({"x0": x64, "x1": grid64 + s})["y0"] for s in (step, -step))
+        numeric.flat[j] = np.sum(seed * (up - down)) / (2 * h)
+    assert np.sum(numeric == 0) >= 4 and np.sum(numeric != 0) >= 8     # clamped coordinates, and the others
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-3, atol=1e-3 * np.max(np.abs(numeric)))
+
+
+# -- against PyTorch ------------------------------------------------------------------------
+TORCH_GRID = [(mode, padding, align, reach)
+              for mode, padding, align, reach in itertools.product(
+                  ["bilinear", "bicubic", "nearest"], ["zeros", "border", "reflection"], [0, 1], [1.0, 2.5])
+              if not (mode == "bicubic" and padding == "border" and reach > 1)]   # see above
+
+
+@pytest.mark.parametrize("mode, padding, align, reach", TORCH_GRID,
+                         ids=["-".join(map(str, c)) for c in TORCH_GRID])
+def test_grid_sample_matches_torch(mode, padding, align, reach):
+    """X's and the grid's gradients are torch.nn.functional.grid_sample's (opset-16 names, float32)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
+    grid = rng.uniform(-reach, reach, (2, 3, 2, 2)).astype(np.float32)
+    attrs = {"mode": mode, "padding_mode": padding, "align_corners": align}
+    _assert_matches_torch(grid_case(x, grid, attrs, opset=16), rng, torch,
+                          lambda tx, tg: torch.nn.functional.grid_sample(
+                              tx, tg, mode=mode, padding_mode=padding, align_corners=bool(align)))
+
+
+@pytest.mark.parametrize("padding", ["zeros", "border", "reflection"])
+def test_grid_sample_3d_matches_torch(padding):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((1, 2, 2, 3, 4)).astype(np.float32)
+    grid = rng.uniform(-1.5, 1.5, (1, 2, 2, 3, 3)).astype(np.float32)
+    _assert_matches_torch(grid_case(x, grid, {"mode": "linear", "padding_mode": padding}, opset=22), rng, torch,
+                          lambda tx, tg: torch.nn.functional.grid_sample(
+                              tx, tg, mode="bilinear", padding_mode=padding, align_corners=False))
+
+
+@pytest.mark.parametrize("shape, align", [((2, 3, 4, 5), 0), ((2, 3, 4, 5), 1), ((1, 2, 2, 3, 4), 0),
+                                          ((1, 2, 2, 3, 4), 1)], ids=["2d", "2d-align", "3d", "3d-align"])
+def test_affine_grid_matches_torch(shape, align):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    spatial = len(shape) - 2
+    theta = rng.standard_normal((shape[0], spatial, spatial + 1)).astype(np.float32)
+    _assert_matches_torch(affine(theta, i64(*shape), {"align_corners": align}), rng, torch,
+                          lambda t: torch.nn.functional.affine_grid(t, list(shape), align_corners=bool(align)))
+
+
+def _assert_matches_torch(case, rng, torch, forward) -> None:
+    """The case's output and the gradients of its float inputs, onnxgrad in onnxruntime against torch autograd."""
+    model, feeds, wrt = harness.case_model(case)
+    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    y = Runner(model)(feeds)["y0"]
+    seed = rng.standard_normal(y.shape).astype(np.float32)
+    got = Runner(gm)({**feeds, "y0_grad": seed})
+    tensors = [torch.tensor(feeds[name], requires_grad=True) for name in wrt]
+    out = forward(*tensors)
+    np.testing.assert_allclose(y, out.detach().numpy(), rtol=1e-5, atol=1e-5)
+    want = torch.autograd.grad(out, tensors, torch.tensor(seed))
+    for name, w in zip(wrt, want):
+        np.testing.assert_allclose(got[f"{name}_grad"], w.numpy(), rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def _rois():

@@ -11,5 +11,6 @@ from . import (  # noqa: F401
     reduce,
     sampling,
     shape,
+    spectral,
     stop,
 )

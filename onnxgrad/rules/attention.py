@@ -9,7 +9,10 @@ their gradients need no extra sum.
 
 The opset-27/28 ops (SwiGLU, CausalConvWithState, LinearAttention) list their
 differentiable inputs, the same as their schemas' tags: the rules then do not
-depend on a schema lookup at the model's opset.
+depend on a schema lookup at the model's opset. Their ``past_state`` inputs are
+tagged NonDifferentiable, but a recurrent state has a gradient that PyTorch
+gives it (as for an RNN's h_0, or ``torch.cat([past, x])`` before a conv), so
+the rules differentiate them beyond the tags.
 """
 from __future__ import annotations
 
@@ -317,12 +320,13 @@ def swiglu(n: Node):
 
 
 # -- CausalConvWithState -----------------------------------------------------------------------
-@register("CausalConvWithState", inputs=(0, 1, 2))
+@register("CausalConvWithState", inputs=(0, 1, 2), beyond_tags=(3,))
 def causal_conv_with_state(n: Node):
     """X' = [past_state, X] along time;  C = conv_depthwise(X', W) + bias;  Y = act(C) (none or SiLU);
     present_state = the last k - 1 steps of X'.
 
     dC = dY act'(C),  dX' = conv_transpose_depthwise(dC, W) + [0, d(present_state)],  dX = dX'[k-1:],
+    d(past_state) = dX'[:k-1] (beyond the schema's tags),
     dW[c, j] = sum_b,t dC[b, c, t] X'[b, c, t + j],  d(bias) = sum_b,t dC.
     """
     x, w = n.inputs[:2]
@@ -340,14 +344,17 @@ def causal_conv_with_state(n: Node):
         s = n.op.Sigmoid(c)
         dc = dc * (s + c * s * (1.0 - s))
     d_present = n.dys[1] if len(n.dys) > 1 else None
-    dx = db = dw = None
-    if n.needs(0):
+    dx = db = dw = dpast = None
+    if n.needs(0) or n.needs(3):
         dpadded = None if dc is None else n.op.ConvTranspose(dc, w, group=channels)
         if d_present is not None:                                        # the last k - 1 steps of X'
             length = n.b.shape_of(x, 2, 3)
             dpadded = _plus(dpadded, n.op.Pad(d_present, n.op.Concat(n.b.ints([0, 0]), length,
                                                                       n.b.ints([0, 0, 0]), axis=0)))
-        dx = n.op.Slice(dpadded, n.b.ints([k - 1]), n.b.ints([_INT64_MAX]), n.b.ints([2]))
+        if n.needs(0):
+            dx = n.op.Slice(dpadded, n.b.ints([k - 1]), n.b.ints([_INT64_MAX]), n.b.ints([2]))
+        if n.needs(3):
+            dpast = n.op.Slice(dpadded, n.b.ints([0]), n.b.ints([k - 1]), n.b.ints([2]))
     if dc is not None and n.needs(1):
         # one group per channel: input rows X'[:, c], kernel rows dC[:, c]
         rows = n.op.Reshape(n.op.Transpose(padded, perm=[1, 0, 2]), n.b.ints([1, -1, 0]))
@@ -355,11 +362,11 @@ def causal_conv_with_state(n: Node):
         dw = n.op.Reshape(n.op.Conv(rows, kernels, group=channels), n.b.ints([channels, 1, k]))
     if dc is not None and bias is not None and n.needs(2):
         db = n.b.sum(dc, [0, 2], keepdims=False)
-    return (dx, dw, db)[: len(n.inputs)]
+    return (dx, dw, db, dpast)[: len(n.inputs)]
 
 
 # -- LinearAttention ---------------------------------------------------------------------------
-@register("LinearAttention", inputs=(0, 1, 2, 4, 5))
+@register("LinearAttention", inputs=(0, 1, 2, 4, 5), beyond_tags=(3,))
 def linear_attention(n: Node):
     """Per step t, per KV head (state S: [dk, dv]; a_t = exp(decay_t) when gated, u_t = v_t when not delta):
     D_t = a_t S_t-1,  u_t = beta_t (v_t - D_t' k_t),  S_t = D_t + k_t u_t',  o_t = s q_t' S_t
@@ -368,7 +375,8 @@ def linear_attention(n: Node):
     dS_t += s q_t do_t',  dq_t = s S_t do_t,  dk_t = dS_t u_t,  du_t = dS_t' k_t,  dD_t = dS_t;
     delta:  dbeta_t = du_t . (v_t - D_t' k_t),  dv_t = beta_t du_t,  dr = -beta_t du_t,
             dD_t += k_t dr',  dk_t += D_t dr;
-    gated:  dS_t-1 = a_t dD_t,  ddecay_t = a_t sum(dD_t S_t-1)  (over dv, and dk for a per-head decay).
+    gated:  dS_t-1 = a_t dD_t,  ddecay_t = a_t sum(dD_t S_t-1)  (over dv, and dk for a per-head decay);
+    d(past_state) = dS_-1, the carry left after the first step (beyond the schema's tags).
     """
     q, k, v = n.inputs[:3]
     past, decay, beta = n.input(3), n.input(4), n.input(5)
@@ -463,4 +471,6 @@ def linear_attention(n: Node):
         if beta_heads == 1 and hk > 1:                          # one rate shared by the heads
             dbeta = [None if g is None else b.sum(g, [1], keepdims=True) for g in dbeta]
         grads[5] = stacked(dbeta, beta_s)
+    if n.needs(3):
+        grads[3] = carry
     return tuple(grads)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 
+from ..builder import Var
 from ..registry import Node, register
 
 
@@ -106,31 +107,56 @@ def min_(n):
     return _extremum(n)
 
 
-@register("Mod", broadcast=True)
+@register("Mod", broadcast=True, beyond_tags=(1,))
 def mod(n):
-    """fmod: z = x - y * trunc(x / y);  dz/dx = dy
+    """z = x - y * q,  q = trunc(x / y) (fmod=1) or floor(x / y) (fmod=0);  d z = (dy, -dy * q)
 
-    Float Mod is always fmod=1 (the spec requires it); integer Mod has no gradient.
-    The schema tags the divisor NonDifferentiable and the tags are our source of
-    truth, so y gets none (PyTorch's fmod would give ``-dy * trunc(x / y)``).
+    Float Mod is fmod=1 up to opset 27 (torch.fmod); opset 28 also allows fmod=0 on floats
+    (torch.remainder); integer Mod has no gradient. The schema tags the divisor
+    NonDifferentiable, but PyTorch differentiates it (``-grad * self.div(other, rounding_mode=...)``),
+    and so do we: q is read off the forward's own result, round((x - z) / y), so it is the
+    quotient the forward used, whichever rounding.
     """
-    return (n.dy,)
+    x, y = n.inputs
+    d_divisor = None
+    if n.needs(1):
+        quotient = n.op.Round((x - n.outputs[0]) / y)
+        d_divisor = -n.dy * quotient
+    return n.dy, d_divisor
 
 
-@register("Clip")
+@register("Clip", beyond_tags=(1, 2))
 def clip(n):
-    """d clip(x, lo, hi) = dy * [lo <= x <= hi]  (as torch.clamp; lo, hi are NonDifferentiable)"""
+    """d clip(x, lo, hi) = (dy [lo <= x <= hi],  sum dy [x < lo < hi],  sum dy [x > hi or hi < lo])
+
+    torch.clamp's convention with tensor bounds: at a tie x keeps dy; when lo > hi the
+    output is hi everywhere, so hi takes dy. Without hi, lo takes dy where x < lo; without
+    lo, hi takes it where x > hi. The bounds (scalars in the spec) are tagged
+    NonDifferentiable, but PyTorch differentiates them: their gradients are summed back
+    to their own shape.
+    """
     x = n.inputs[0]
     lo, hi = n.input(1), n.input(2)
+    zero = n.b.scalar(0.0, n.dy)
+
+    def masked(cond: Var) -> Var:
+        return n.op.Where(cond, n.dy, zero)
+
     inside = None
     if lo is not None:
         inside = n.op.GreaterOrEqual(x, lo)
     if hi is not None:
         below = n.op.LessOrEqual(x, hi)
         inside = below if inside is None else n.op.And(inside, below)
-    if inside is None:
-        return (n.dy,)
-    return (n.op.Where(inside, n.dy, n.b.scalar(0.0, n.dy)),)
+    dx = n.dy if inside is None else masked(inside)
+    dlo = dhi = None
+    if n.needs(1):
+        under = n.op.Less(x, lo)
+        dlo = n.b.unbroadcast(masked(under if hi is None else n.op.And(under, n.op.Less(lo, hi))), lo)
+    if n.needs(2):
+        over = n.op.Greater(x, hi)
+        dhi = n.b.unbroadcast(masked(over if lo is None else n.op.Or(over, n.op.Less(hi, lo))), hi)
+    return dx, dlo, dhi
 
 
 @register("Where", broadcast=True)

@@ -15,9 +15,9 @@ Not covered: LSTM ``input_forget=1``, a sequence length unknown when the
 gradient is built.
 
 ``initial_h``/``initial_c`` are tagged NonDifferentiable by the schemas from
-opset 14, so the registrations below follow the tags and give them no
-gradient; the rules still compute it (the carry left over after step 0) when
-asked, so registering positions 5 and 6 is all it takes to expose it.
+opset 14, but PyTorch's ``h_0``/``c_0`` get gradients, and so do they here
+(``beyond_tags``): dH_0 (dC_0) is the carry left over after the first step
+the direction processes. ``strict`` tag-following gives them none.
 """
 from __future__ import annotations
 
@@ -360,12 +360,13 @@ def _masked(rec: _Recurrence, t: int, g: Var | None) -> tuple[Var | None, Var | 
     return inside, g - inside
 
 
-@register("RNN", inputs=(0, 1, 2, 3))
+@register("RNN", inputs=(0, 1, 2, 3), beyond_tags=(5,))
 def rnn(n: Node):
     """H_t = f(A_t),  A_t = X_t W' + H_t-1 R' + Wb + Rb.
 
     dA_t = (dY_t + dH_t) f'(A_t),  dH_t-1 = dA_t R,
-    dX_t = dA_t W,  dW = sum_t dA_t' X_t,  dR = sum_t dA_t' H_t-1,  dB = [sum dA, sum dA].
+    dX_t = dA_t W,  dW = sum_t dA_t' X_t,  dR = sum_t dA_t' H_t-1,  dB = [sum dA, sum dA],
+    d initial_h = dH_t-1 of the first step (beyond the schema's tags, as PyTorch's h_0).
     """
     rec = _Recurrence(n, 1, ["Tanh"])
     dx, dw, dr, db, dh0 = [], [], [], [], []
@@ -391,7 +392,7 @@ def rnn(n: Node):
     return rec.gradients(dx, dw, dr, db, dh0)
 
 
-@register("GRU", inputs=(0, 1, 2, 3))
+@register("GRU", inputs=(0, 1, 2, 3), beyond_tags=(5,))
 def gru(n: Node):
     """Gates z, r, h:  z = f(Az),  r = f(Ar),  n = g(An),  H_t = (1 - z) n + z H_t-1,  with
     An = X Wh' + (r H_t-1) Rh' + Rbh + Wbh      (linear_before_reset = 0)
@@ -400,6 +401,7 @@ def gru(n: Node):
     dAn = dH (1 - z) g',  dAz = dH (H_t-1 - n) f',  and with q = dAn Rh:
     lbr 0:  dAr = q H_t-1 f',        dH_t-1 = dH z + [dAz, dAr] Rzr + q r
     lbr 1:  dAr = dAn (H_t-1 Rh' + Rbh) f',  dH_t-1 = dH z + [dAz, dAr, dAn r] R.
+    d initial_h = dH_t-1 of the first step (beyond the schema's tags, as PyTorch's h_0).
     """
     rec = _Recurrence(n, 3, ["Sigmoid", "Tanh"])
     lbr = n.attr("linear_before_reset", 0)
@@ -470,7 +472,7 @@ def gru(n: Node):
     return rec.gradients(dx, dw, dr, db, dh0)
 
 
-@register("LSTM", inputs=(0, 1, 2, 3, 7))
+@register("LSTM", inputs=(0, 1, 2, 3, 7), beyond_tags=(5, 6))
 def lstm(n: Node):
     """Gates i, o, f, c; peepholes P = [Pi, Po, Pf]; A = X W' + H_t-1 R' + Wb + Rb:
     i = f(Ai + Pi C_t-1),  fg = f(Af + Pf C_t-1),  c = g(Ac),  C_t = fg C_t-1 + i c,
@@ -480,7 +482,8 @@ def lstm(n: Node):
     dAi = dC c f',  dAf = dC C_t-1 f',  dAc = dC i g',
     dH_t-1 = [dAi, dAo, dAf, dAc] R,  dC_t-1 = dC fg + dAi Pi + dAf Pf,
     dW = sum dA' X,  dR = sum dA' H_t-1,  dB = [sum dA, sum dA],
-    dP = sum [dAi C_t-1, dAo C_t, dAf C_t-1].
+    dP = sum [dAi C_t-1, dAo C_t, dAf C_t-1],
+    d initial_h, d initial_c = dH_t-1, dC_t-1 of the first step (beyond the tags, as PyTorch's h_0, c_0).
     """
     if n.attr("input_forget", 0):
         n.unsupported("input_forget=1 (coupled input and forget gates) has no gradient rule")

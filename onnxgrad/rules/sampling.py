@@ -1,8 +1,8 @@
-"""Gradient rules: resampling (Resize, GridSample, RoiAlign).
+"""Gradient rules: resampling (Resize, GridSample, RoiAlign) and AffineGrid.
 
-All three are linear in X: every output is a weighted sum of input pixels, with
-weights fixed by the (non-differentiable) scales, sizes, grid or boxes. The
-gradient of X is the transposed map applied to dy:
+All three resamplers are linear in X: every output is a weighted sum of input
+pixels, with weights fixed by the scales, sizes, grid or boxes. The gradient of
+X is the transposed map applied to dy:
 
 - Resize is separable: per resized axis k, ``Y = X ×_k A_k`` with an
   (out_k, in_k) interpolation matrix, so ``dX = dY ×_k A_k^T``, one MatMul per
@@ -14,9 +14,15 @@ gradient of X is the transposed map applied to dy:
   dy times the tap weights back to the taps, one ScatterND with reduction "add".
   The taps and weights are computed from the grid / boxes the way the ONNX
   reference implementation does.
+
+GridSample's grid and AffineGrid's theta are tagged NonDifferentiable, but
+PyTorch differentiates them and so do we (``beyond_tags``): the grid through
+the tap weights' slopes (d weight / d coordinate), theta through the linear map
+grid = [base, 1] theta'.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence, Union
 
 import numpy as np
@@ -284,26 +290,36 @@ def _scatter_taps(n: Node, x: Var, index: Var, weight: Var | None, batch: Var | 
     return b.reshape_like(grad, x)
 
 
-def _combine_taps(n: Node, taps: list[list[tuple[Var, Var | None]]], sizes: Sequence[Dim], lead: int
-                  ) -> tuple[Var, Var | None]:
-    """Flat indices (int64) and weights of every combination of per-axis taps.
+def _combine_index(n: Node, index: list[list[Var]], sizes: Sequence[Dim], lead: int) -> Var:
+    """Flat input indices (int64) of every combination of per-axis taps.
 
-    ``taps[i]``: spatial axis i's (index, weight) pairs (weight None: one), shaped like the first
-    ``lead`` axes; the results have those axes, then one axis of tap choices per spatial axis.
+    ``index[i]``: spatial axis i's tap indices, shaped like the first ``lead`` axes; the result
+    has those axes, then one axis of tap choices per spatial axis.
     """
     strides: list[Dim] = [1]
     for d in reversed(sizes[1:]):
         strides.insert(0, _mul(n, strides[0], d))
-    index = weight = None
-    for i, axis_taps in enumerate(taps):
-        others = [lead + j for j in range(len(taps)) if j != i]
-        idx = _stack(n, [t for t, _ in axis_taps], others)
-        idx = n.op.Mul(n.op.Cast(idx, to=TensorProto.INT64), _tensor(n, strides[i]))
-        index = idx if index is None else n.op.Add(index, idx)
-        if axis_taps[0][1] is not None:
-            w = _stack(n, [t for _, t in axis_taps], others)
-            weight = w if weight is None else weight * w
-    return index, weight
+    flat = None
+    for i, axis_index in enumerate(index):
+        others = [lead + j for j in range(len(index)) if j != i]
+        idx = n.op.Mul(n.op.Cast(_stack(n, axis_index, others), to=TensorProto.INT64), _tensor(n, strides[i]))
+        flat = idx if flat is None else n.op.Add(flat, idx)
+    return flat
+
+
+def _combine_weights(n: Node, weights: list[list[Var] | None], lead: int) -> Var | None:
+    """Weights of every combination of per-axis taps (laid out as :func:`_combine_index`): their product.
+
+    ``weights[i]``: spatial axis i's tap weights, None when they are all one.
+    """
+    product = None
+    for i, axis_weights in enumerate(weights):
+        if axis_weights is None:
+            continue
+        others = [lead + j for j in range(len(weights)) if j != i]
+        w = _stack(n, axis_weights, others)
+        product = w if product is None else product * w
+    return product
 
 
 def _stack(n: Node, parts: list[Var], unsqueeze: list[int]) -> Var:
@@ -338,8 +354,30 @@ def _cubic_weights(f: Var) -> list[Var]:
     ]
 
 
+def _cubic_weight_slopes(f: Var) -> list[Var]:
+    """d/df of :func:`_cubic_weights`: 3a t^2 - 10a t + 8a for the outer taps (t = 1 + f, 2 - f),
+    3(a + 2) t^2 - 2(a + 3) t for the inner ones (t = f, 1 - f); taps past f count down."""
+    a = _CUBIC_A
+    f1, g, g1 = f + 1.0, 1.0 - f, 2.0 - f
+    return [
+        (f1 * (3 * a) - 10 * a) * f1 + 8 * a,
+        (f * (3 * (a + 2)) - 2 * (a + 3)) * f,
+        -((g * (3 * (a + 2)) - 2 * (a + 3)) * g),
+        -((g1 * (3 * a) - 10 * a) * g1 + 8 * a),
+    ]
+
+
 def _reflect(n: Node, v: Var, lo: float, hi: float | Var) -> Var:
     """v reflected by the borders lo, hi until inside them (the reference's _gs_reflect)."""
+    return _reflect_with_slope(n, v, lo, hi)[0]
+
+
+def _reflect_with_slope(n: Node, v: Var, lo: float, hi: float | Var) -> tuple[Var, Var]:
+    """(v reflected by the borders lo, hi until inside them, d reflected / dv).
+
+    Outside the borders v is reflected turns + 1 times, each reflection flipping its
+    direction: the slope is (-1)^(turns + 1); inside it is 1.
+    """
     below = n.op.Less(v, _s(n, lo, v))
     above = n.op.Greater(v, _s(n, hi, v))
     span = hi - lo
@@ -349,56 +387,82 @@ def _reflect(n: Node, v: Var, lo: float, hi: float | Var) -> Var:
     even = n.op.Equal(turns - n.op.Floor(turns * 0.5) * 2.0, _s(n, 0.0, v))
     # an even number of turns below, or an odd one above, ends measured from lo
     reflected = n.op.Where(n.op.Equal(below, even), r + lo, hi - r)
-    return n.op.Where(n.op.Or(below, above), reflected, v)
+    outside = n.op.Or(below, above)
+    slope = n.op.Where(n.op.And(outside, even), _s(n, -1.0, v), _s(n, 1.0, v))
+    return n.op.Where(outside, reflected, v), slope
 
 
 def _clamp(n: Node, v: Var, hi: float | Var) -> Var:
     return n.op.Min(n.op.Max(v, _s(n, 0.0, v)), _s(n, hi, v))
 
 
-def _grid_taps(n: Node, g: Var, size: Dim, mode: str, padding: str, align: bool
-               ) -> list[tuple[Var, Var | None]]:
-    """One spatial axis: the (input index, weight) of each tap, from normalised coordinates g."""
+@dataclass
+class _AxisTaps:
+    """One spatial axis of GridSample: per tap the input index, the weight (``weight`` None: one tap
+    of weight one, nearest) and d weight / d grid coordinate (``slope``, None for nearest)."""
+
+    index: list[Var]
+    weight: list[Var] | None
+    slope: list[Var] | None
+
+
+def _grid_taps(n: Node, g: Var, size: Dim, mode: str, padding: str, align: bool) -> _AxisTaps:
+    """One spatial axis: the taps read for normalised coordinates g, their weights and the weights' slopes.
+
+    The source coordinate is x = unnormalize(g), padded (clamped or reflected) then split into
+    taps; dx/dg is the unnormalizing scale times the padding's slope (0 where border clamps,
+    +-1 where reflection turns), and a weight's slope is dw/dx * dx/dg.
+    """
     d = _float(n, size, g)
     last = d - 1.0
     x = (g + 1.0) * 0.5 * last if align else ((g + 1.0) * d - 1.0) * 0.5
+    dx_dg = last * 0.5 if align else d * 0.5
     lo, hi = (0.0, last) if align else (-0.5, d - 0.5)
     if mode == "nearest":
         x = n.op.Round(x)                       # half to even, as the reference and PyTorch
     if padding == "border":
         outside = n.op.Or(n.op.Less(x, _s(n, lo, x)), n.op.Greater(x, _s(n, hi, x)))
         x = n.op.Where(outside, _clamp(n, x, last), x)
+        dx_dg = n.op.Where(outside, _s(n, 0.0, x), _s(n, dx_dg, x))
     elif padding == "reflection":
-        x = _reflect(n, x, lo, hi)
+        x, turn = _reflect_with_slope(n, x, lo, hi)
+        dx_dg = turn * dx_dg
     if mode == "nearest":
-        taps = [(x, None)]
+        index, weight, slope = [x], None, None
     else:
         x0 = n.op.Floor(x)
         f = x - x0
         if mode == "linear":
-            taps = [(x0, 1.0 - f), (x0 + 1.0, f)]
+            offsets, weight, dw_dx = (0, 1), [1.0 - f, f], [n.b.fill_like(f, -1.0), n.b.fill_like(f, 1.0)]
         else:
-            taps = [(x0 + float(o), w) for o, w in zip((-1, 0, 1, 2), _cubic_weights(f))]
-    out = []
-    for i, w in taps:
+            offsets, weight, dw_dx = (-1, 0, 1, 2), _cubic_weights(f), _cubic_weight_slopes(f)
+        index = [x0 + float(o) if o else x0 for o in offsets]
+        slope = [w * dx_dg for w in dw_dx]
+    for t, i in enumerate(index):
         if padding == "zeros":   # taps outside read zero: weight 0, any valid index
             inside = n.b.cast_like(n.op.And(n.op.GreaterOrEqual(i, _s(n, 0.0, i)),
                                        n.op.LessOrEqual(i, _s(n, last, i))), i)
-            w = inside if w is None else w * inside
-            i = _clamp(n, i, last)
+            if weight is None:
+                weight = [None] * len(index)
+            weight[t] = inside if weight[t] is None else weight[t] * inside
+            if slope is not None:
+                slope[t] = slope[t] * inside
+            index[t] = _clamp(n, i, last)
         elif padding == "border":
-            i = _clamp(n, i, last)
+            index[t] = _clamp(n, i, last)
         else:
-            i = _reflect(n, i, lo, hi)
-        out.append((i, w))
-    return out
+            index[t] = _reflect(n, i, lo, hi)
+    return _AxisTaps(index, weight, slope)
 
 
-@register("GridSample")
+@register("GridSample", beyond_tags=(1,))
 def grid_sample(n):
     """Y[n, c, p] = sum_t w[n, p, t] * X[n, c, i[n, p, t]], taps i and weights w from the grid.
 
-    dX = scatter-add of dy[n, c, p] * w[n, p, t] at i[n, p, t]; the grid is NonDifferentiable.
+    dX = scatter-add of dy[n, c, p] * w[n, p, t] at i[n, p, t];
+    dgrid[n, p, k] = sum_t (sum_c dy[n, c, p] X[n, c, i[n, p, t]]) * dw[n, p, t] / dgrid_k, as
+    PyTorch's grid_sampler backward (zero for nearest, which is piecewise constant). The grid
+    is tagged NonDifferentiable; it gets a gradient beyond the tags.
     """
     x, grid = n.inputs
     spatial = _rank(n, x) - 2
@@ -412,10 +476,62 @@ def grid_sample(n):
     for i in range(spatial):   # the grid lists coordinates innermost axis first: (x, y[, z])
         g = n.op.Gather(points, n.b.const(np.array(spatial - 1 - i, np.int64)), axis=2)
         taps.append(_grid_taps(n, g, sizes[i], mode, padding, align))
-    index, weight = _combine_taps(n, taps, sizes, lead=2)
     flat = n.b.ints([0, 0, -1])
-    weight = None if weight is None else n.op.Reshape(weight, flat)
-    return _scatter_taps(n, x, n.op.Reshape(index, flat), weight, None, sizes), None
+    index = n.op.Reshape(_combine_index(n, [t.index for t in taps], sizes, lead=2), flat)   # (N, L, T)
+    dx = dgrid = None
+    if n.needs(0):
+        weight = _combine_weights(n, [t.weight for t in taps], lead=2)
+        weight = None if weight is None else n.op.Reshape(weight, flat)
+        dx = _scatter_taps(n, x, index, weight, None, sizes)
+    if n.needs(1) and mode != "nearest":
+        dgrid = _grid_gradient(n, x, grid, index, taps)
+    return dx, dgrid
+
+
+def _grid_gradient(n: Node, x: Var, grid: Var, index: Var, taps: list[_AxisTaps]) -> Var:
+    """dgrid[n, p, k] = sum_t v[n, p, t] * dw_t / dgrid_k, with v[n, p, t] = sum_c dy[n, c, p] X[n, c, i[n, p, t]]
+    (the seed's dot product with each tap's pixel) and dw_t / dgrid_k the tap weight with axis k's
+    factor replaced by its slope."""
+    b = n.b
+    pixels = n.op.Transpose(n.op.Reshape(x, b.ints([0, 0, -1])), perm=[0, 2, 1])             # (N, P, C)
+    read = n.op.GatherND(pixels, b.unsqueeze(index, [-1]), batch_dims=1)                      # (N, L, T, C)
+    seed = b.unsqueeze(n.op.Transpose(n.op.Reshape(n.dy, b.ints([0, 0, -1])), perm=[0, 2, 1]), [-1])
+    v = b.squeeze(n.op.MatMul(read, seed), [-1])                                              # (N, L, T)
+    weights = [t.weight for t in taps]
+    parts = []
+    for k, axis in enumerate(taps):
+        dw = _combine_weights(n, weights[:k] + [axis.slope] + weights[k + 1:], lead=2)
+        parts.append(b.sum(v * n.op.Reshape(dw, b.ints([0, 0, -1])), [-1], keepdims=True))  # (N, L, 1)
+    dgrid = n.op.Concat(*parts[::-1], axis=-1)   # the grid lists the innermost axis first
+    return b.reshape_like(dgrid, grid)
+
+
+# -- AffineGrid --------------------------------------------------------------------------
+@register("AffineGrid", beyond_tags=(0,))
+def affine_grid(n):
+    """grid[n, p] = theta[n] @ [base[p], 1], base[p] the normalised coordinates of position p;
+
+    dtheta[n] = sum_p dgrid[n, p]' [base[p], 1] = [dgrid[n]' base, sum_p dgrid[n, p]'].
+    base is AffineGrid of the identity for one sample: the runtime's own coordinates for any
+    align_corners and sizes known only at run time. theta is tagged NonDifferentiable; it gets
+    a gradient beyond the tags, as PyTorch's affine_grid gives it.
+    """
+    theta, size = n.inputs
+    b = n.b
+    spatial = _dim(n, theta, 1)                                                       # S
+    identity = b.unsqueeze(n.op.EyeLike(_zeros(n, _ints(n, [spatial, _dim(n, theta, 2)]), theta)), [0])
+    known = n.const_ints(1)
+    if known is not None:
+        one_sample = b.ints([1] + known[1:])
+    else:
+        rest = n.op.Slice(size, b.ints([1]), b.ints([np.iinfo(np.int64).max]))
+        one_sample = n.op.Concat(b.ints([1]), rest, axis=0)
+    base = n.op.AffineGrid(identity, one_sample, align_corners=n.attr("align_corners", 0))
+    base = n.op.Reshape(base, _ints(n, [-1, spatial]))                                     # (P, S)
+    dgrid = n.op.Reshape(n.dy, _ints(n, [0, -1, spatial]))                                 # (N, P, S)
+    linear = n.op.MatMul(n.op.Transpose(dgrid, perm=[0, 2, 1]), base)                      # (N, S, S)
+    translation = n.op.Transpose(b.sum(dgrid, [1], keepdims=True), perm=[0, 2, 1])         # (N, S, 1)
+    return n.op.Concat(linear, translation, axis=2), None
 
 
 # -- RoiAlign -----------------------------------------------------------------------------
