@@ -23,6 +23,7 @@ from onnx import helper, numpy_helper
 
 from .builder import FLOAT_TYPES
 from .check import Runner, check, is_float_array, run_float64, to_float64
+from .graph import differentiable_positions
 from .model import RUNTIME_MAX_OPSET, has_subgraph, load, opset_of
 from .registry import NON_DIFFERENTIABLE, get_rule, get_schema
 
@@ -119,9 +120,8 @@ def _runtime_opset(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _differentiable_inputs(case: BackendCase, model: onnx.ModelProto) -> list[str]:
     """Float graph inputs that feed positions the op's rule differentiates (expanded cases share the names)."""
-    rule = get_rule(case.op_type)
-    schema = get_schema(case.op_type, opset_of(model))
-    positions = rule.differentiable_inputs(schema, len(case.node_inputs))
+    node = helper.make_node(case.op_type, list(case.node_inputs), [])
+    positions = differentiable_positions(node, opset_of(model))
     names = {case.node_inputs[i] for i in positions if case.node_inputs[i]}
     return [vi.name for vi in model.graph.input
             if vi.name in names and vi.type.tensor_type.elem_type in FLOAT_TYPES]
