@@ -411,3 +411,20 @@ def test_tied_copies_are_computed_from_their_parameter():
     w = s.parameters()["wte"]
     np.testing.assert_allclose(sess.run(None, {"x": x.astype(np.float32)})[0],
                                np.tanh(x @ w) @ w.T, rtol=1e-5, atol=1e-5)
+
+
+def test_running_statistics_follow_every_micro_batch_of_an_accumulated_update():
+    """model.train() updates BN's running statistics on every forward, micro-batches included."""
+    ref = dict(np.load(MODELS / "train_step" / "cnn_legacy.npz"))
+    halves = [{"x": ref["x"], "t": ref["t"]}, {"x": 2 * ref["x"] + 1, "t": ref["t"]}]   # the input's batch is static
+    loss = losses.MSELoss(output="y", target="t")
+    accumulated = TrainingSession(MODELS / "cnn_legacy.onnx", loss=loss, optimizer=optim.SGD(lr=0.0),
+                                  accumulation_steps=2)
+    stepwise = TrainingSession(MODELS / "cnn_legacy.onnx", loss=loss, optimizer=optim.SGD(lr=0.0))
+    for feeds in halves:
+        accumulated.step(feeds)
+        stepwise.step(feeds)
+    assert accumulated.step_count == 1 and stepwise.step_count == 2
+    for name, value in stepwise.buffers().items():
+        np.testing.assert_allclose(accumulated.buffers()[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+        assert not np.array_equal(value, ref[f"running/{name}"])     # two updates, not one
