@@ -193,7 +193,7 @@ def build(
         differentiated, running = tm.model, tm.running
     gm = grad(differentiated, wrt=params, loss=loss_name, strict_tags=strict_tags)
     return _Builder(loss_model, forward, gm, loss_name, params, frozen, optimizer, clip_grad_norm,
-                    int(accumulation_steps), guard, defaults, running, keep_grads, report).run()
+                    int(accumulation_steps), guard, defaults, running, keep_grads, report, train_mode).run()
 
 
 def _chosen(report: ParameterReport, trainable: Sequence[str], frozen: Sequence[str]) -> list[str]:
@@ -209,12 +209,12 @@ def _chosen(report: ParameterReport, trainable: Sequence[str], frozen: Sequence[
 # -- the builder --------------------------------------------------------------------------------
 class _Builder:
     def __init__(self, loss_model, forward, gm, loss, params, frozen, optimizer, clip, accumulation, guard,
-                 defaults, running, keep_grads, report):
+                 defaults, running, keep_grads, report, train_mode):
         self.loss_model, self.forward, self.gm = loss_model, forward, gm
         self.loss, self.params, self.frozen = loss, params, frozen
         self.optimizer, self.clip, self.k = optimizer, clip, accumulation
         self.guard, self.defaults = guard, defaults
-        self.running, self.keep_grads, self.report = running, keep_grads, report
+        self.running, self.keep_grads, self.report, self.train_mode = running, keep_grads, report, train_mode
         inits = {i.name: i for i in loss_model.graph.initializer}
         self.initial = {p: numpy_helper.to_array(inits[p]) for p in params}
         self.initial_buffers = {r: numpy_helper.to_array(inits[r]) for r in running}
@@ -385,7 +385,7 @@ class _Builder:
             accumulators={p: [i, final.get(o, o) if o else ""] for p, (i, o) in acc_names.items()},
             frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
             accumulation_steps=self.k, guard=self.guard,
-            buffers={r: [r, final[f"{r}.next"]] for r in self.running}, train_mode=bool(self.running),
+            buffers={r: [r, final[f"{r}.next"]] for r in self.running}, train_mode=self.train_mode,
             grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final})
         return m, spec
 

@@ -196,7 +196,7 @@ def test_train_mode_checkpoint_round_trips_running_statistics(tmp_path):
         np.testing.assert_array_equal(resumed.buffers()[name], value)
 
 
-def test_dropout_is_active_in_train_mode_and_off_in_eval():
+def test_dropout_is_active_in_train_mode_and_off_in_eval(tmp_path):
     model = _tiny([helper.make_node("Mul", ["x", "w"], ["a"]), helper.make_node("Dropout", ["a", "ratio"], ["y"])],
                   {"w": np.arange(1.0, 7.0).reshape(2, 3), "ratio": np.array(0.5)})
     x = np.ones((2, 3), np.float32)
@@ -205,6 +205,10 @@ def test_dropout_is_active_in_train_mode_and_off_in_eval():
     np.testing.assert_array_equal(s.eval({"x": x})["y"], np.arange(1.0, 7.0).reshape(2, 3))
     losses_seen = {s.step({"x": x, "t": np.zeros((2, 3), np.float32)}) for _ in range(6)}
     assert len(losses_seen) > 1                              # a fresh mask every step
+    s.save(tmp_path / "ckpt")                               # a resumed session keeps training in train mode
+    resumed = TrainingSession.load(tmp_path / "ckpt")
+    assert resumed.spec.train_mode
+    assert len({resumed.step({"x": x, "t": np.zeros((2, 3), np.float32)}) for _ in range(6)}) > 1
     frozen = TrainingSession(model, loss=losses.MSELoss(output="y", target="t"), optimizer=optim.SGD(lr=0.0),
                              train_mode=False)
     assert len({frozen.step({"x": x, "t": np.zeros((2, 3), np.float32)}) for _ in range(3)}) == 1
