@@ -17,6 +17,8 @@ from .errors import (
     UnsupportedOpError,
     UnusedError,
 )
+from .forward import jvp
+from .funcs import hessian, hvp, jacfwd, jacobian, jacrev
 from .params import parameters
 from .registry import register as register_rule
 from . import rules  # noqa: F401,E402  (registers the built-in rules)
@@ -40,6 +42,12 @@ __all__ = [
     "losses",
     "lower",
     "grad",
+    "jvp",
+    "hvp",
+    "jacrev",
+    "jacfwd",
+    "jacobian",
+    "hessian",
     "parameters",
     "register_rule",
     "OnnxGradError",

@@ -1,0 +1,9 @@
+"""Forward-mode (tangent) rules, one module per op family, in one registry (:mod:`.base`).
+
+Ops without a native rule that have a reverse rule get their tangent from the
+transpose of the reverse rule (:mod:`.fallback`).
+"""
+from . import elementwise, linalg, nn, shape  # noqa: F401  (importing registers the rules)
+from .base import TNode, all_tangent_rules, defjvp, deflinear, get_tangent_rule, total
+
+__all__ = ["TNode", "defjvp", "deflinear", "get_tangent_rule", "all_tangent_rules", "total"]
