@@ -174,11 +174,23 @@ class _ModelFacts:
         graph_meta = {p.key: p.value for p in g.metadata_props}
         graph_meta.update({p.key: p.value for p in model.metadata_props if p.key == SIGNATURE_KEY})
         self.kinds, self.targets = _parse_signature(graph_meta.get(SIGNATURE_KEY, ""))
-        self.uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+        direct: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
         for node in g.node:
             for k, x in enumerate(node.input):
                 if x:
-                    self.uses.setdefault(x, []).append((node, k))
+                    direct.setdefault(x, []).append((node, k))
+        # the exporters route shared initializers through Identity nodes: a use of the copy is a use
+        self.uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+        for name in {i.name for i in g.initializer}:
+            pending, seen = [name], set()
+            while pending:
+                t = pending.pop()
+                for node, k in direct.get(t, []):
+                    if node.op_type == "Identity" and node.domain in ("", "ai.onnx") and node.output[0] not in seen:
+                        seen.add(node.output[0])
+                        pending.append(node.output[0])
+                    else:
+                        self.uses.setdefault(name, []).append((node, k))
 
     def kind(self, name: str) -> str | None:
         """PARAMETER / BUFFER / CONSTANT_TENSOR as the exporter recorded it for this tensor or PyTorch name."""
@@ -238,10 +250,15 @@ def _decide(init: onnx.TensorProto, facts: _ModelFacts, frozen: set[str], reach:
         else:
             reason = "read by no node"
         return Parameter(name, False, reason, torch_name)
-    for node, k in facts.uses.get(name, []):
-        if k in _RUNNING_STATS.get(node.op_type, ()) and node.domain in ("", "ai.onnx"):
-            return Parameter(name, False, f"running statistic of {node.op_type} node '{node.name}' (a buffer)",
-                             torch_name)
+    uses = facts.uses.get(name, [])
+    stats = [node for node, k in uses if k in _RUNNING_STATS.get(node.op_type, ()) and node.domain in ("", "ai.onnx")]
+    if stats:
+        reason = f"running statistic of {stats[0].op_type} node '{stats[0].name}' (a buffer)"
+        if len(stats) < len(uses):
+            reason += ("; the exporter also feeds it to other nodes as a weight (it merged tensors of equal "
+                       "values): re-export with torch.onnx.export(..., dynamo=True, optimize=False) or "
+                       "keep_initializers_as_inputs=True (TorchScript) to keep them apart")
+        return Parameter(name, False, reason, torch_name)
     kind = facts.kind(name)
     if kind == "PARAMETER":
         return Parameter(name, True, "PyTorch parameter (exporter metadata)", torch_name)
@@ -273,11 +290,34 @@ def _decide_folded(init: onnx.TensorProto, facts: _ModelFacts, sources: list[str
 
 
 def _repeats_elements(init: onnx.TensorProto) -> bool:
-    """Whether some element value occurs twice (random or trained weights never repeat exactly)."""
-    values = numpy_helper.to_array(init).reshape(-1)
-    if values.size > _REPEAT_CHECK_LIMIT:
-        values = values[:_REPEAT_CHECK_LIMIT]
-    return bool(np.unique(values).size < values.size)
+    """Whether the tensor repeats slices of its values, as a folded Gather or Expand of a weight does.
+
+    Along some axis, at least a quarter of the fibres (the vectors along that axis) equal an earlier
+    one; or, for a gather of single values (a one-head bias table), at least half the elements
+    repeat although the values are not of low precision (bf16/fp16 weights repeat by chance).
+    Constant fills (a fresh zero bias re-packed) are not copies.
+    """
+    values = numpy_helper.to_array(init)
+    flat = values.reshape(-1)[:_REPEAT_CHECK_LIMIT]
+    if flat.size < 2 or bool((flat == flat[0]).all()):
+        return False
+    if values.size <= _REPEAT_CHECK_LIMIT:
+        for axis, n in enumerate(values.shape):
+            if n < 2:
+                continue
+            fibres = np.moveaxis(values, axis, -1).reshape(-1, n)
+            if len(fibres) >= 2 and len(np.unique(fibres, axis=0)) <= 0.75 * len(fibres):
+                return True
+    return np.unique(flat).size <= flat.size / 2 and not _low_precision(flat)
+
+
+def _low_precision(values: np.ndarray) -> bool:
+    """Every value is exactly a bfloat16 or a float16."""
+    as32 = values.astype(np.float32)
+    bf16 = not (as32.view(np.uint32) & 0xFFFF).any()
+    with np.errstate(over="ignore"):
+        fp16 = bool((as32.astype(np.float16).astype(np.float32) == as32).all())
+    return bf16 or fp16
 
 
 def _decide_by_value(init: onnx.TensorProto) -> Parameter:
@@ -293,6 +333,10 @@ def _decide_by_value(init: onnx.TensorProto) -> Parameter:
     if _GENERATED.match(name) and (values.size <= 1 or bool((values == values.reshape(-1)[0]).all())):
         shape = "a scalar" if values.size <= 1 else "a constant fill"
         return Parameter(name, False, f"an exporter constant ({shape} under a generated name)")
+    if _GENERATED.match(name) and _repeats_elements(init):
+        return Parameter(name, False, "repeats slices of its values under a generated name: a folded Gather or "
+                         "Expand of a weight (e.g. a relative-position bias table), which training separately would "
+                         f"untie; {NO_FOLDING_HINT}")
     return Parameter(name, True, "float initializer with a differentiable path (no exporter metadata)")
 
 
@@ -308,6 +352,7 @@ def _break_ties(decisions: list[Parameter], facts: _ModelFacts, values: Mapping[
             for t in p.torch_name.split(", "):
                 holders.setdefault(t, []).append(k)
     out = list(decisions)
+    _tie_by_value(out, values)
     for torch_name, ks in holders.items():
         if len(ks) < 2:
             continue
@@ -325,6 +370,32 @@ def _break_ties(decisions: list[Parameter], facts: _ModelFacts, values: Mapping[
                                        f"'{holder}' holds and trains: training both would break their tie; "
                                        f"{NO_FOLDING_HINT}", p.torch_name)
     return out
+
+
+def _tie_by_value(out: list[Parameter], values: Mapping[str, onnx.TensorProto]) -> None:
+    """Without metadata, a trainable initializer that holds exactly another's values (or their transpose)
+    is that one's copy (the TorchScript exporter folds a tied LM head as the embedding's transpose under a
+    generated name): it is computed from the other, named one, so the tie holds."""
+    candidates = [k for k, p in enumerate(out) if p.trainable and np.prod(values[p.name].dims) >= 2]
+    candidates.sort(key=lambda k: (bool(_GENERATED.match(out[k].name)), k))     # named holders first
+    seen: dict[tuple, int] = {}
+    for k in candidates:
+        p = out[k]
+        a = numpy_helper.to_array(values[p.name])
+        if (a == a.reshape(-1)[0]).all():
+            continue                    # constant fills coincide without being copies
+        keys = [(a.dtype.str, a.tobytes())]
+        if a.ndim == 2:
+            keys.append((a.dtype.str, np.ascontiguousarray(a.T).tobytes()))
+        holder = next((seen[key] for key in keys if key in seen), None)
+        if holder is None or p.torch_name is not None:
+            seen.setdefault(keys[0], k)
+            continue
+        op = _tie_op(values[p.name], values[out[holder].name])
+        if op is not None:
+            h = out[holder]
+            out[k] = Parameter(p.name, False, f"a copy of '{h.name}' ({op} of it, as an exporter folds tied "
+                               "weights): computed from it, so the tie holds", h.torch_name or h.name, h.name, op)
 
 
 def _tie_op(copy: onnx.TensorProto, holder: onnx.TensorProto) -> str | None:

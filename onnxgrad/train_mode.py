@@ -127,7 +127,10 @@ def _batch_norm_train(node: onnx.NodeProto, opset: int, names: NameScope, initia
     if mean not in initializers or var not in initializers:
         raise OnnxGradError(f"BatchNormalization node '{node.name}': its running statistics ('{mean}', '{var}') "
                             "are computed in the graph, not stored as initializers, so training cannot update "
-                            "them; pass train_mode=False to keep the exported (eval-mode) normalisation")
+                            "them (an exporter that merges tensors of equal values routes them through Identity "
+                            "nodes: re-export with torch.onnx.export(..., dynamo=True, optimize=False), or "
+                            "keep_initializers_as_inputs=True with TorchScript); or pass train_mode=False to keep "
+                            "the exported (eval-mode) normalisation")
     momentum = next((a.f for a in node.attribute if a.name == "momentum"), 0.9)
     dtype = initializers[var]
     np_dtype = helper.tensor_dtype_to_np_dtype(dtype)

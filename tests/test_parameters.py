@@ -432,3 +432,47 @@ def test_running_statistics_follow_every_micro_batch_of_an_accumulated_update():
     for name, value in stepwise.buffers().items():
         np.testing.assert_allclose(accumulated.buffers()[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
         assert not np.array_equal(value, ref[f"running/{name}"])     # two updates, not one
+
+
+def test_tied_copies_without_metadata_are_found_by_value():
+    """TorchScript folds a tied LM head as the embedding's transpose under a generated name."""
+    model, table = _tied_model()
+    del model.graph.value_info[:]
+    model.graph.initializer[1].name = "onnx::MatMul_583"
+    model.graph.node[2].input[1] = "onnx::MatMul_583"
+    report = parameters(model)
+    assert report.trainable == ["wte"]
+    assert report["onnx::MatMul_583"].tied_to == "wte" and report["onnx::MatMul_583"].tie_op == "Transpose"
+
+
+@pytest.mark.parametrize("values, repeats", [
+    (np.repeat(np.arange(1.0, 4.0)[None], 4, axis=0) * 0.37, True),          # a row expanded (class token)
+    (np.arange(1.0, 10.0)[[0, 3, 3, 1, 0, 3, 2, 1, 1]].reshape(3, 3) * 0.37, True),   # a gathered 1-head table
+    (np.random.default_rng(0).standard_normal((4, 3)), False),                  # a transposed/sliced weight
+    (np.zeros((4, 3)), False),                                                  # a fresh zero bias, re-packed
+    ((np.random.default_rng(1).integers(-4, 4, (8, 6)) / 4.0), False),          # bf16-representable weights
+])
+def test_folded_copies_that_repeat_elements_are_told_from_weights(values, repeats):
+    from onnxgrad.params import _repeats_elements
+
+    assert _repeats_elements(numpy_helper.from_array(values.astype(np.float32), "t")) == repeats
+
+
+def test_a_tensor_shared_by_a_running_statistic_and_a_weight_is_not_trained():
+    """Fresh models have equal-valued tensors (zero biases and means) that exporters merge and route
+    through Identity nodes; training the merged tensor would move the running mean too."""
+    graph = helper.make_graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"]),
+         helper.make_node("Identity", ["zeros"], ["mean"]),
+         helper.make_node("BatchNormalization", ["c", "gamma", "zeros", "mean", "var"], ["y"])],
+        "merged", [helper.make_tensor_value_info("x", F, [2, 2, 3, 3])],
+        [helper.make_tensor_value_info("y", F, [2, 2, 3, 3])],
+        [numpy_helper.from_array(v.astype(np.float32), k) for k, v in
+         {"w": np.random.default_rng(0).standard_normal((2, 2, 1, 1)), "gamma": np.array([1.5, 0.5]),
+          "zeros": np.zeros(2), "var": np.array([1.0, 2.0])}.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    report = parameters(model)
+    assert report.trainable == ["w", "gamma"]
+    assert "merged tensors" in report["zeros"].reason and "optimize=False" in report["zeros"].reason
+    with pytest.raises(OnnxGradError, match="Identity"):
+        TrainingSession(model, loss=losses.MSELoss(output="y", target="t"))
