@@ -445,12 +445,17 @@ def test_tied_copies_without_metadata_are_found_by_value():
     assert report["onnx::MatMul_583"].tied_to == "wte" and report["onnx::MatMul_583"].tie_op == "Transpose"
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    return (a.astype(np.float32).view(np.uint32) & 0xFFFF0000).view(np.float32)
+
+
 @pytest.mark.parametrize("values, repeats", [
     (np.repeat(np.arange(1.0, 4.0)[None], 4, axis=0) * 0.37, True),          # a row expanded (class token)
     (np.arange(1.0, 10.0)[[0, 3, 3, 1, 0, 3, 2, 1, 1]].reshape(3, 3) * 0.37, True),   # a gathered 1-head table
     (np.random.default_rng(0).standard_normal((4, 3)), False),                  # a transposed/sliced weight
     (np.zeros((4, 3)), False),                                                  # a fresh zero bias, re-packed
-    ((np.random.default_rng(1).integers(-4, 4, (8, 6)) / 4.0), False),          # bf16-representable weights
+    (_bf16(np.random.default_rng(1).standard_normal((16, 16))), False),          # bf16 weights
+    (np.arange(1.0, 7.0)[np.random.default_rng(2).integers(0, 6, (16, 16))] / 4, True),  # a bf16 1-head table, gathered
 ])
 def test_folded_copies_that_repeat_elements_are_told_from_weights(values, repeats):
     from onnxgrad.params import _repeats_elements
