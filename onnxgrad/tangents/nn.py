@@ -4,7 +4,7 @@ from __future__ import annotations
 from onnx import TensorProto
 
 from ..builder import TensorInfo, Var
-from .base import TNode, defjvp, total
+from .base import TNode, defjvp, linear_tangent, total
 
 
 def _axis(t: TNode, default: int) -> int:
@@ -125,3 +125,33 @@ def softmax_cross_entropy_loss(t: TNode):
     d_loss = t.b.emit("NegativeLogLikelihoodLoss", args)
     t.b.nodes[-1].attribute.extend(a for a in t.proto.attribute if a.name in ("reduction", "ignore_index"))
     return d_loss, (d_log_prob if had_log_prob else None)
+
+
+@defjvp("RoiAlign")
+def roi_align(t: TNode):
+    """mode avg: linear in X (the bilinear sampling weights depend on the rois alone):
+    d RoiAlign(X, rois, batch) = RoiAlign(dX, rois, batch). (Below opset 16 the reverse rule's dense
+    form has MatMuls of unknown rank that the fallback could not differentiate.)"""
+    if t.attr("mode", "avg") != "avg":
+        return NotImplemented           # max of samples: the fallback transposes the reverse rule
+    return linear_tangent(t)
+
+
+@defjvp("ReduceL2")
+def reduce_l2(t: TNode):
+    """y = sqrt(sum_g x^2):  dy = sum_g(x * dx) / y   (0 where y == 0, as torch.norm's jvp; the fallback's
+    double VJP differentiates the reverse rule's masked division and gives 0 * (1/0) = NaN there)"""
+    from ..rules.reduce import _Reduction
+
+    r = _Reduction(t)
+    x, y = t.inputs[0], t.outputs[0]
+    prod = x * t.dx
+    if r.kind == "none":
+        s = prod
+    elif r.kind == "dynamic":
+        s = t.b.emit("ReduceSum", [prod, r.axes], keepdims=int(r.keepdims), noop_with_empty_axes=int(r.noop))
+    else:
+        s = t.b.reduce("ReduceSum", prod, r.axes if r.kind == "axes" else None, keepdims=r.keepdims)
+    zero, one = t.b.scalar(0.0, y), t.b.scalar(1.0, y)
+    at_zero = t.op.Equal(y, zero)
+    return t.op.Where(at_zero, zero, s / t.op.Where(at_zero, one, y))
