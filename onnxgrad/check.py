@@ -38,8 +38,9 @@ class Runner:
     onnx.reference runs with the corrected kernels of :mod:`onnxgrad.reference_ops`.
     """
 
-    def __init__(self, model: onnx.ModelProto, prefer: str = "onnxruntime"):
+    def __init__(self, model: onnx.ModelProto, prefer: str = "onnxruntime", strict: bool = False):
         self.model = model
+        self.strict = strict         # onnxruntime or an error: no silent switch to onnx.reference
         self.outputs = [o.name for o in model.graph.output]
         self._inputs = {i.name for i in model.graph.input}
         self.backend = None
@@ -53,6 +54,8 @@ class Runner:
                                                   providers=["CPUExecutionProvider"])
                 self.backend = "onnxruntime"
             except Exception:
+                if strict:
+                    raise
                 self.backend = None
         if self.backend is None:
             self._use_reference()
@@ -67,13 +70,25 @@ class Runner:
         names = outputs or self.outputs
         feeds = {k: v for k, v in feeds.items() if k in self._inputs}
         try:
-            values = self._sess.run(names, feeds)
+            if self.backend == "onnxruntime":
+                values = self._sess.run(names, feeds, _quiet_run_options())
+            else:
+                values = self._sess.run(names, feeds)
         except Exception:
-            if self.backend != "onnxruntime":
+            if self.backend != "onnxruntime" or self.strict:
                 raise
             self._use_reference()          # loaded in onnxruntime, but a kernel refused at run time
             values = self._sess.run(names, feeds)
         return dict(zip(names, values))
+
+
+def _quiet_run_options():
+    """Run options that keep onnxruntime's error log of a failed run (we report it, or fall back) off stderr."""
+    import onnxruntime as ort
+
+    opts = ort.RunOptions()
+    opts.log_severity_level = 4
+    return opts
 
 
 def _float64_with(model: onnx.ModelProto, ops: frozenset) -> bool:
@@ -194,12 +209,14 @@ def random_inputs(model: onnx.ModelProto, rng: np.random.Generator | int = 0,
     """
     rng = np.random.default_rng(rng)
     inits = {i.name for i in model.graph.initializer}
+    sizes = fitting_dims(model, dim)
     feeds = {}
     for vi in model.graph.input:
         if vi.name in inits:
             continue
         tt = vi.type.tensor_type
-        shape = [d.dim_value if d.HasField("dim_value") else dim for d in tt.shape.dim]
+        shape = [d.dim_value if d.HasField("dim_value") else sizes.get(_dim_key(vi.name, k, d), dim)
+                 for k, d in enumerate(tt.shape.dim)]
         np_type = helper.tensor_dtype_to_np_dtype(tt.elem_type)
         if tt.elem_type in FLOAT_TYPES:
             feeds[vi.name] = rng.standard_normal(shape).astype(np_type)
@@ -210,6 +227,56 @@ def random_inputs(model: onnx.ModelProto, rng: np.random.Generator | int = 0,
     return feeds
 
 
+def _dim_key(name: str, axis: int, d) -> str:
+    return d.dim_param if d.dim_param else f"{name}[{axis}]"
+
+
+def fitting_dims(model: onnx.ModelProto, dim: int = 3) -> dict[str, int]:
+    """Sizes for the inputs' unknown dims that the model's shape inference accepts: ``dim`` where it
+    fits, else the first of 2, 4, 1 and the initializers' dims that does (a MatMul against a [4, 3]
+    weight needs 4). Named dims take one size everywhere; unnamed ones are keyed 'input[axis]'."""
+    from onnx import shape_inference
+
+    inits = {i.name for i in model.graph.initializer}
+    keys: list[str] = []
+    for vi in model.graph.input:
+        if vi.name not in inits:
+            for k, d in enumerate(vi.type.tensor_type.shape.dim):
+                if not d.HasField("dim_value") and _dim_key(vi.name, k, d) not in keys:
+                    keys.append(_dim_key(vi.name, k, d))
+    if not keys:
+        return {}
+    candidates = list(dict.fromkeys([dim, 2, 4, 1] + sorted({int(x) for t in model.graph.initializer
+                                                              for x in t.dims if 1 < x <= 4096})))
+
+    def fits(sizes: dict[str, int]) -> bool:
+        m = onnx.ModelProto()
+        m.CopyFrom(model)
+        del m.graph.value_info[:]
+        for vi in m.graph.input:
+            for k, d in enumerate(vi.type.tensor_type.shape.dim):
+                key = _dim_key(vi.name, k, d)
+                if vi.name not in inits and not d.HasField("dim_value") and key in sizes:
+                    d.dim_value = sizes[key]
+        try:
+            shape_inference.infer_shapes(m, check_type=True, strict_mode=True, data_prop=True)
+            return True
+        except Exception:
+            return False
+
+    sizes: dict[str, int] = {}
+    if fits({k: dim for k in keys}):
+        return {k: dim for k in keys}
+    for key in keys:
+        for c in candidates:
+            if fits({**sizes, key: c}):
+                sizes[key] = c
+                break
+        else:
+            sizes[key] = dim
+    return sizes
+
+
 # -- the check ------------------------------------------------------------------------
 @dataclass
 class CheckResult:
@@ -218,14 +285,17 @@ class CheckResult:
     errors: dict[str, float]
     analytic: dict[str, np.ndarray]
     numeric: dict[str, np.ndarray] = field(default_factory=dict)
-    backend: str = ""
+    backend: str = ""               # what ran the float64 forward model
+    grad_backend: str = ""          # what ran the gradient model
+    joint: float | None = None      # worst error along directions over every wrt tensor at once (sample=)
 
     @property
     def worst(self) -> float:
-        return max(self.errors.values(), default=0.0)
+        return max(list(self.errors.values()) + ([self.joint] if self.joint is not None else []), default=0.0)
 
     def ok(self, tol: float) -> bool:
-        return all(np.isfinite(e) and e <= tol for e in self.errors.values())
+        errors = list(self.errors.values()) + ([self.joint] if self.joint is not None else [])
+        return all(np.isfinite(e) and e <= tol for e in errors)
 
 
 def gradient_spec(grad_model: onnx.ModelProto) -> dict:
@@ -244,11 +314,17 @@ def check(
     max_elements: int = 64,
     directions: int = 3,
     analytic_run: Callable[[onnx.ModelProto, dict], dict] | None = None,
+    sample: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> CheckResult:
     """Compare ``grad_model``'s gradients (run in onnxruntime) with central differences of ``model``.
 
     ``analytic_run(grad_model, feeds) -> {output: value}`` replaces onnxruntime
     (``run_float64`` evaluates the same gradient graph in float64: the tight check).
+    ``sample``: check at most that many wrt tensors one by one (a random choice), and every one of
+    them together along ``directions`` random directions (``CheckResult.joint``): a bounded number
+    of forward runs for models with hundreds of parameters. ``progress(done, total)`` is called
+    after each forward run pair.
     """
     from .model import load
 
@@ -274,36 +350,60 @@ def check(
         gfeeds[spec["seeds"][o]] = seed
         seeds64[o] = seed.astype(np.float64)                            # and the same values for the truth
     grad_names = [spec["gradients"][w] for w in wrt]
+    grad_backend = "analytic_run"
     if analytic_run is None:
-        values = Runner(grad_model)(gfeeds, grad_names)
+        grad_runner = Runner(grad_model)
+        values = grad_runner(gfeeds, grad_names)
+        grad_backend = grad_runner.backend
     else:
         values = analytic_run(grad_model, gfeeds)
     analytic = {w: np.asarray(values[g], np.float64) for w, g in zip(wrt, grad_names)}
 
-    perturbable = _as_inputs(model64, wrt)
-    run = Runner(perturbable)
+    # inputs and initializers are perturbed in one model; an intermediate tensor in a model of its own
+    # where it alone is cut from its producer (the other wrt tensors still follow what they depend on)
+    leaves = [w for w in wrt if w not in intermediates]
+    runners = {None: Runner(_as_inputs(model64, leaves))}
+    for w in intermediates:
+        runners[w] = Runner(_as_inputs(model64, leaves + [w]))
     point = dict(feeds64)
-    point.update({w: np.asarray(start[w], np.float64) for w in wrt})
-
-    def objective(values: dict) -> float:
-        out = run(values, targets)
-        if loss:
-            return float(np.sum(out[loss]))
-        return float(sum(np.sum(seeds64[o] * out[o]) for o in of))
-
+    point.update({w: np.asarray(start[w], np.float64) for w in leaves})
     errors, numeric = {}, {}
-    for w in wrt:
+    checked = list(wrt)
+    if sample is not None and len(wrt) > sample:
+        chosen = set(rng.choice(len(wrt), size=sample, replace=False).tolist())
+        checked = [w for i, w in enumerate(wrt) if i in chosen]
+    total = sum(np.size(start[w]) if np.size(start[w]) <= max_elements else directions for w in checked)
+    total += directions if len(checked) < len(wrt) else 0
+    done = 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    for w in checked:
+        run = runners.get(w, runners[None])
+
+        def objective(values: dict, run=run) -> float:
+            out = run(values, targets)
+            if loss:
+                return float(np.sum(out[loss]))
+            return float(sum(np.sum(seeds64[o] * out[o]) for o in of))
+
+        if w in intermediates:
+            point[w] = np.asarray(start[w], np.float64)
         x = point[w]
         a = analytic[w]
         if a.shape != x.shape:
             errors[w] = float("inf")
-            continue
-        if x.size <= max_elements:
+        elif x.size <= max_elements:
             num = a.copy()          # elements that cannot be perturbed (inf, nan) are not compared
             for j in range(x.size):
                 if np.isfinite(x.flat[j]):
                     h = eps * max(1.0, abs(x.flat[j]))
                     num.flat[j] = _central(objective, point, w, j, h)
+                tick()
             numeric[w] = num
             scale = max(np.max(np.abs(num), initial=0.0), np.max(np.abs(a), initial=0.0))
             errors[w] = float(np.max(np.abs(a - num), initial=0.0) / max(scale, ABS_FLOOR))
@@ -317,8 +417,36 @@ def check(
                 num = _central(objective, point, w, u, h)
                 an = float(np.sum(np.where(finite, a, 0.0) * u))
                 worst = max(worst, abs(an - num) / max(abs(an), abs(num), ABS_FLOOR))
+                tick()
             errors[w] = worst
-    return CheckResult(errors, analytic, numeric, run.backend)
+        if w in intermediates:
+            del point[w]
+    joint = None
+    if len(checked) < len(wrt):
+        joint = _joint_error(runners[None], point, [w for w in leaves if analytic[w].shape == point[w].shape],
+                             analytic, objective_of=lambda out: float(np.sum(out[loss])) if loss else float(
+                                 sum(np.sum(seeds64[o] * out[o]) for o in of)),
+                             targets=targets, rng=rng, eps=eps, directions=directions, tick=tick)
+    return CheckResult(errors, analytic, numeric, runners[None].backend, grad_backend, joint)
+
+
+def _joint_error(run: "Runner", point: dict, names: list[str], analytic: dict, objective_of, targets: list[str],
+                 rng: np.random.Generator, eps: float, directions: int, tick) -> float | None:
+    """Worst relative error of the directional derivative along random directions over all ``names``."""
+    if not names:
+        return None
+    worst = 0.0
+    for _ in range(directions):
+        u = {w: np.where(np.isfinite(point[w]), rng.standard_normal(point[w].shape), 0.0) for w in names}
+        norm = np.sqrt(sum(float(np.sum(v * v)) for v in u.values())) or 1.0
+        h = eps * max([1.0] + [float(np.max(np.abs(point[w][np.isfinite(point[w])]), initial=0.0)) for w in names])
+        an = sum(float(np.sum(np.where(np.isfinite(point[w]), analytic[w], 0.0) * u[w])) for w in names) / norm
+        f = [objective_of(run({**point, **{w: point[w] + sign * h * u[w] / norm for w in names}}, targets))
+             for sign in (1.0, -1.0)]
+        num = (f[0] - f[1]) / (2 * h)
+        worst = max(worst, abs(an - num) / max(abs(an), abs(num), ABS_FLOOR))
+        tick()
+    return worst
 
 
 def _central(objective, point: dict, name: str, where, h: float) -> float:

@@ -21,6 +21,59 @@ from .errors import OnnxGradError
 from .files import save_arrays, save_model
 
 CHECK_TOLERANCE = 1e-3
+CHECK_SAMPLE = 8
+
+
+def _version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def _writable(path: str) -> None:
+    """Refuse, before any work, an output path that cannot be written: a folder, or in a folder we
+    cannot create or write to."""
+    if os.path.isdir(path):
+        raise OnnxGradError(f"cannot write '{path}': it is a folder")
+    folder = os.path.dirname(os.path.abspath(path))
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise OnnxGradError(f"cannot write '{path}': '{existing}' is not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OnnxGradError(f"cannot write '{path}': no permission to write in '{existing}'")
+
+
+def _save(model, path: str) -> None:
+    try:
+        save_model(model, path)
+    except OSError as e:
+        raise OnnxGradError(f"cannot write '{path}': {e.strerror or e}") from None
+
+
+class _Progress:
+    """A tqdm bar on stderr when it is a terminal; silent otherwise."""
+
+    def __init__(self, desc: str):
+        self.bar = None
+        if sys.stderr.isatty():
+            try:
+                from tqdm import tqdm
+
+                self.bar = tqdm(desc=desc, unit="run", leave=False, file=sys.stderr)
+            except ImportError:
+                pass
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is not None:
+            self.bar.total = total
+            self.bar.n = done
+            self.bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def _grad_parser() -> argparse.ArgumentParser:
@@ -48,6 +101,10 @@ def _grad_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="also compare the gradients with central differences on random inputs")
     p.add_argument("--seed", type=int, default=0, help="random seed for --check (default 0)")
+    p.add_argument("--check-sample", type=int, default=CHECK_SAMPLE, metavar="K",
+                   help=f"--check compares at most K gradients one by one (a random choice) and all of them "
+                   f"together along random directions (default {CHECK_SAMPLE}; 0: the joint check alone)")
+    p.add_argument("--version", action="version", version=f"onnxgrad {_version()}")
     _training_arguments(p)
     return p
 
@@ -120,6 +177,7 @@ def run_grad(args: argparse.Namespace) -> int:
     out_path = args.output or _default_output(args.model)
     if os.path.abspath(out_path) == os.path.abspath(args.model):
         raise OnnxGradError(f"output '{out_path}' is the input model; choose another path with -o")
+    _writable(out_path)
     t0 = time.perf_counter()
     model = load(args.model)
     loss_name = args.loss
@@ -139,7 +197,22 @@ def run_grad(args: argparse.Namespace) -> int:
     gm = grad(model, wrt=report.trainable if report is not None else args.wrt, of=args.of, loss=loss_name,
               allow_unused=args.allow_unused, strict_tags=args.strict_tags)
     build_s = time.perf_counter() - t0
-    save_model(gm, out_path)
+    result, check_s = None, 0.0
+    if args.check:          # before writing: a gradient model that fails its check is not written
+        t1 = time.perf_counter()
+        bar = _Progress("--check")
+        try:
+            result = C.check(model, gm, rng=args.seed, sample=max(args.check_sample, 0), progress=bar)
+        except OnnxGradError:
+            raise
+        except Exception as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise OnnxGradError(f"--check could not run the model on random inputs: {first}") from None
+        finally:
+            bar.close()
+        check_s = time.perf_counter() - t1
+    if result is None or result.ok(CHECK_TOLERANCE):
+        _save(gm, out_path)
 
     spec = C.gradient_spec(gm)
     n_forward = len(model.graph.node)
@@ -147,7 +220,8 @@ def run_grad(args: argparse.Namespace) -> int:
     ops = Counter(n.op_type for n in backward)
     outputs = {o.name: o for o in gm.graph.output}
     inputs = {i.name: i for i in gm.graph.input}
-    print(f"wrote {out_path}")
+    if result is None or result.ok(CHECK_TOLERANCE):
+        print(f"wrote {out_path}")
     print(f"forward nodes: {n_forward}   backward nodes: {len(backward)}   built in {build_s:.3f} s")
     print("backward ops: " + ", ".join(f"{op} x{k}" for op, k in sorted(ops.items())))
     what = f"loss '{spec['loss']}' (seed 1)" if spec["loss"] else "outputs " + ", ".join(spec["of"])
@@ -161,14 +235,17 @@ def run_grad(args: argparse.Namespace) -> int:
     if report is not None and report.left_out:
         print(f"not differentiated: {len(report.left_out)} float initializer(s) that are not parameters "
               f"('python -m onnxgrad params {args.model}' says why)")
-    if args.check:
-        t1 = time.perf_counter()
-        result = C.check(model, gm, rng=args.seed)
-        print(f"numeric check ({result.backend} float64 central differences, {time.perf_counter() - t1:.1f} s):")
+    if result is not None:
+        print(f"numeric check ({result.backend} float64 central differences, gradients run in "
+              f"{result.grad_backend}, {check_s:.1f} s):")
         for w, err in result.errors.items():
             print(f"  {spec['gradients'][w]}: worst relative error {err:.2e}")
+        if result.joint is not None:
+            print(f"  the other {len(spec['gradients']) - len(result.errors)} gradient(s) checked together with "
+                  f"these along random directions: worst relative error {result.joint:.2e}")
         if not result.ok(CHECK_TOLERANCE):
-            print(f"error: numeric check failed: errors above {CHECK_TOLERANCE:g}", file=sys.stderr)
+            print(f"error: numeric check failed: errors above {CHECK_TOLERANCE:g}; {out_path} not written",
+                  file=sys.stderr)
             return 1
     return 0
 
@@ -234,6 +311,7 @@ def run_train(args: argparse.Namespace) -> int:
     for path in (out_path, eval_path):
         if os.path.abspath(path) == os.path.abspath(args.model):
             raise OnnxGradError(f"output '{path}' is the input model; choose another path")
+        _writable(path)
     loss = _loss_fn(args) if args.loss_fn else (args.loss or "loss")
     t0 = time.perf_counter()
     art = artifacts.build(args.model, loss, _optimizer(args), frozen=args.freeze, trainable=args.train,
@@ -241,9 +319,12 @@ def run_train(args: argparse.Namespace) -> int:
                           guard=True, defaults=False, train_mode=not args.eval_mode)
     build_s = time.perf_counter() - t0
     init_path = (out_path[:-5] if out_path.endswith(".onnx") else out_path) + ".init.npz"
-    save_model(art.train, out_path)
-    save_model(art.eval, eval_path)
-    save_arrays(art.initial_values(), init_path)
+    _save(art.train, out_path)
+    _save(art.eval, eval_path)
+    try:
+        save_arrays(art.initial_values(), init_path)
+    except OSError as e:
+        raise OnnxGradError(f"cannot write '{init_path}': {e.strerror or e}") from None
     spec = art.spec
     print(f"wrote {out_path} (training: forward + loss + backward + {spec.optimizer['type']} update, "
           "one run per step" + (", BatchNormalization/Dropout in train mode" if spec.train_mode else "") + ")")
@@ -252,7 +333,7 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"wrote {init_path} (the value of every state input before the first step; feed each "
           "<name>.next output back as <name>)")
     if art.accumulate is not None:
-        save_model(art.accumulate, acc_path)
+        _save(art.accumulate, acc_path)
         print(f"wrote {acc_path} (accumulation: adds one micro-batch's gradients to the <param>.grad_acc inputs)")
     print(f"built in {build_s:.3f} s")
     for line in art.report.lines() if art.report is not None else []:
@@ -311,13 +392,20 @@ def run_lower(argv: Sequence[str]) -> int:
     out = args.output or (args.model[:-5] if args.model.endswith(".onnx") else args.model) + ".lowered.onnx"
     if os.path.abspath(out) == os.path.abspath(args.model):
         raise OnnxGradError(f"output '{out}' is the input model; choose another path with -o")
+    _writable(out)
     lowered = lower(load(args.model))
-    save_model(lowered, out)
+    _save(lowered, out)
     print(f"wrote {out}")
     return 0
 
 
-COMMANDS = {"ops": run_ops, "lower": run_lower, "params": run_params}
+def run_jvp(argv: Sequence[str]) -> int:
+    from .forward import run_jvp as run
+
+    return run(argv)
+
+
+COMMANDS = {"ops": run_ops, "lower": run_lower, "params": run_params, "jvp": run_jvp}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

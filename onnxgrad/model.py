@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import sys
+from functools import lru_cache
 from typing import Iterable
 
 import numpy as np
@@ -15,9 +16,42 @@ from .builder import FLOAT_TYPES, TensorInfo
 from .errors import InvalidModelError
 
 MIN_OPSET = 13
-# onnxruntime 1.31 loads IR versions up to 13 and ai.onnx opsets up to 26.
+# onnxruntime 1.31 loads IR versions up to 13 and ai.onnx opsets up to 26: the floor we rely on
+# (runtime_max_opset() reads the installed onnxruntime's real maximum).
 RUNTIME_MAX_IR = 13
 RUNTIME_MAX_OPSET = 26
+
+
+@lru_cache(maxsize=None)
+def runtime_max_opset() -> int:
+    """The newest ai.onnx opset the installed onnxruntime loads, probed once with a one-node model
+    (onnxruntime exposes no such number); RUNTIME_MAX_OPSET without onnxruntime."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return RUNTIME_MAX_OPSET
+
+    def loads(version: int) -> bool:
+        x = helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+        y = helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+        m = helper.make_model(helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y]),
+                              opset_imports=[helper.make_opsetid("", version)])
+        m.ir_version = RUNTIME_MAX_IR
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 4
+        try:
+            ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+            return True
+        except Exception:
+            return False
+
+    lo, hi = RUNTIME_MAX_OPSET, max(onnx.defs.onnx_opset_version(), RUNTIME_MAX_OPSET) + 8
+    if not loads(lo):
+        return RUNTIME_MAX_OPSET
+    while lo < hi:                  # the largest version that loads, in [lo, hi]
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if loads(mid) else (lo, mid - 1)
+    return lo
 
 
 def load(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
@@ -49,6 +83,24 @@ def load(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
     if model.functions:
         model = onnx.inliner.inline_local_functions(model)
     version = opset_of(model)
+    model = _pads_on_every_axis(model)
+    newest = runtime_max_opset()
+    if version > newest:
+        try:
+            import onnxruntime
+            runtime = f"onnxruntime {onnxruntime.__version__}"
+        except ImportError:
+            runtime = "onnxruntime"
+        try:
+            model = onnx.version_converter.convert_version(model, newest)
+            onnx.checker.check_model(model)
+        except Exception:
+            raise InvalidModelError(
+                f"the model uses ai.onnx opset {version}, newer than the opset {newest} the installed {runtime} "
+                f"runs, and onnx's version converter cannot convert it down; re-export it at opset {newest} "
+                "or older") from None
+        print(f"onnxgrad: converted the model from ai.onnx opset {version} down to {newest}, the newest the "
+              f"installed {runtime} runs", file=sys.stderr)
     if version < MIN_OPSET:
         print(f"onnxgrad: upgrading the model from ai.onnx opset {version} to {MIN_OPSET}", file=sys.stderr)
         try:
@@ -62,6 +114,46 @@ def load(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
     return model
 
 
+def _pads_on_every_axis(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Pad-18's ``axes`` input folded into pads for every axis (same values, no axes), where pads, axes
+    and the rank are known. onnxruntime 1.32's transpose optimizer ignores ``axes`` when it moves a
+    Transpose through a Pad: ``Transpose(perm=[1, 0, 2]) -> Pad(mode='edge', pads=[1, 1], axes=[2]) -> Sin``
+    with its gradient appended fails at run time ("indices element out of data bounds") under the
+    default optimizations."""
+    g = model.graph
+    pads_with_axes = [n for n in g.node if n.op_type == "Pad" and n.domain in ("", "ai.onnx")
+                      and len(n.input) > 3 and n.input[3]]
+    if not pads_with_axes:
+        return model
+    values = constant_values(model)
+    infos, _ = tensor_infos(infer(model))
+    taken = {i.name for i in g.initializer} | {o for n in g.node for o in n.output} | {i.name for i in g.input}
+    replaced: set[str] = set()
+    for node in pads_with_axes:
+        pads, axes = values.get(node.input[1]), values.get(node.input[3])
+        shape = infos.get(node.input[0], TensorInfo()).shape
+        if pads is None or axes is None or shape is None:
+            continue
+        r, k = len(shape), len(axes)
+        full = np.zeros(2 * r, np.int64)
+        for a, b, e in zip(axes.tolist(), pads.tolist()[:k], pads.tolist()[k:]):
+            full[a % r], full[a % r + r] = b, e
+        replaced.update(node.input[1::2])
+        name, i = f"{node.input[1]}_every_axis", 0
+        while name in taken:
+            i += 1
+            name = f"{node.input[1]}_every_axis_{i}"
+        taken.add(name)
+        g.initializer.append(numpy_helper.from_array(full, name))
+        node.input[1] = name
+        del node.input[3:]
+    read = {i for n in g.node for i in n.input} | {o.name for o in g.output} | {i.name for i in g.input}
+    unused = [t for t in g.initializer if t.name in replaced and t.name not in read]
+    for t in unused:
+        g.initializer.remove(t)
+    return model
+
+
 def opset_of(model: onnx.ModelProto) -> int:
     for o in model.opset_import:
         if o.domain in ("", "ai.onnx"):
@@ -70,11 +162,119 @@ def opset_of(model: onnx.ModelProto) -> int:
 
 
 def infer(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Shape inference that never fails the pass: without it we work with unknown shapes."""
+    """Shape inference that never fails the pass: without it we work with unknown shapes.
+
+    onnx's inference stops at a Reshape to a shape computed at run time (its rank unknown); the
+    ranks (and dims) the graph's declared outputs and shape-preserving ops imply are then recovered
+    backwards (:func:`_recover_ranks`) and inference is run again from them.
+    """
     try:
-        return shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
+        inferred = shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
     except Exception:
         return model
+    for _ in range(4):
+        recovered = _recover_ranks(inferred)
+        if not recovered:
+            break
+        g = inferred.graph
+        known = {vi.name: vi for vi in g.value_info}
+        for name, tp in recovered.items():
+            if name in known:
+                known[name].type.CopyFrom(tp)
+            else:
+                g.value_info.add(name=name).type.CopyFrom(tp)
+        try:
+            inferred = shape_inference.infer_shapes(inferred, check_type=False, strict_mode=False, data_prop=True)
+        except Exception:
+            break
+    return inferred
+
+
+# Ops whose first output has the shape of their first input.
+_SAME_SHAPE = frozenset({
+    "Abs", "Acos", "Acosh", "Asin", "Asinh", "Atan", "Atanh", "BitwiseNot", "Cast", "CastLike", "Ceil", "Celu",
+    "Clip", "Cos", "Cosh", "CumSum", "Dropout", "Elu", "Erf", "Exp", "Floor", "Gelu", "HardSigmoid", "HardSwish",
+    "Hardmax", "Identity", "InstanceNormalization", "IsInf", "IsNaN", "LayerNormalization", "LeakyRelu", "Log",
+    "LogSoftmax", "LpNormalization", "MeanVarianceNormalization", "Mish", "Neg", "Not", "PRelu", "Reciprocal",
+    "Relu", "Round", "RMSNormalization", "Selu", "Shrink", "Sigmoid", "Sign", "Sin", "Sinh", "Softmax", "Softplus",
+    "Softsign", "Sqrt", "Swish", "Tan", "Tanh", "ThresholdedRelu", "Trilu", "GroupNormalization",
+    "BatchNormalization",
+})
+# Ops whose output is the broadcast of their inputs.
+_BROADCAST = frozenset({"Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Where", "Equal",
+                        "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Mod", "BitShift"})
+
+
+def _shape_of(tp: onnx.TypeProto | None) -> onnx.TensorShapeProto | None:
+    if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
+        return None
+    return tp.tensor_type.shape
+
+
+def _recover_ranks(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Types with a shape for tensors onnx's inference left without one, from what their readers imply:
+    a shape-preserving op gives its input its output's shape; a broadcasting op gives an input of
+    unknown rank its output's rank when every other input is of lower rank; MatMul gives an operand
+    the rank its output and the other operand imply. Dims not implied are left unknown."""
+    g = model.graph
+    types: dict[str, onnx.TypeProto] = {}
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        types.setdefault(vi.name, vi.type)
+    for init in g.initializer:
+        types[init.name] = helper.make_tensor_type_proto(init.data_type, list(init.dims))
+    found: dict[str, onnx.TypeProto] = {}
+
+    def rank(name: str) -> int | None:
+        shape = _shape_of(found.get(name) or types.get(name))
+        return None if shape is None else len(shape.dim)
+
+    def give(name: str, like: onnx.TypeProto | None, r: int) -> None:
+        if not name or rank(name) is not None:
+            return
+        tp = onnx.TypeProto()
+        old = types.get(name)
+        elem = old.tensor_type.elem_type if old is not None and old.HasField("tensor_type") else 0
+        if like is not None and _shape_of(like) is not None and len(_shape_of(like).dim) == r:
+            tp.tensor_type.shape.CopyFrom(_shape_of(like))
+        else:
+            for _ in range(r):
+                tp.tensor_type.shape.dim.add()
+        if not elem:
+            return      # an element type we do not know: leave it to inference
+        tp.tensor_type.elem_type = elem
+        found[name] = tp
+
+    for node in reversed(list(g.node)):
+        if node.domain not in ("", "ai.onnx") or not node.output or not node.input:
+            continue
+        out = node.output[0]
+        r_out = rank(out)
+        if r_out is None:
+            continue
+        out_tp = found.get(out) or types.get(out)
+        if node.op_type in _SAME_SHAPE:
+            give(node.input[0], out_tp, r_out)
+        elif node.op_type in _BROADCAST:
+            inputs = [i for i in node.input if i]
+            unknown = {i for i in inputs if rank(i) is None}
+            if len(unknown) == 1 and all(rank(i) < r_out for i in inputs if i not in unknown):
+                name = unknown.pop()
+                exact = all(rank(i) == 0 for i in inputs if i != name)
+                give(name, out_tp if exact else None, r_out)
+        elif node.op_type == "MatMul" and len(node.input) == 2:
+            a, b = node.input
+            ra, rb = rank(a), rank(b)
+            if ra is None and rb is not None:
+                if rb == 1:
+                    give(a, None, r_out + 1)
+                elif rb < r_out:
+                    give(a, None, r_out)
+            elif rb is None and ra is not None:
+                if ra == 1:
+                    give(b, None, r_out + 1)
+                elif ra < r_out:
+                    give(b, None, r_out)
+    return found
 
 
 def _info_of(tp: onnx.TypeProto) -> TensorInfo:

@@ -6,6 +6,7 @@ usual ``[batch..., k] @ [k, n]`` weight, and one Transpose at most elsewhere.
 """
 from __future__ import annotations
 
+import re
 import string
 from typing import Sequence
 
@@ -14,6 +15,27 @@ from onnx import helper, numpy_helper
 
 from ..builder import Var
 from ..registry import Node, register
+
+
+# -- Gemm, where onnxruntime takes it ----------------------------------------------------
+# onnxruntime 1.32's GemmSumFusion asserts (gemm_sum_fusion.cc:54, "gemm_input_edge.src_arg_index < 2")
+# on a Gemm without C that reads output #2 or later of a node and feeds a Sum: the backward of
+# Concat(a, b, MatMul(b, W)) (Split -> Gemm -> Sum) is refused at session creation with default
+# optimizations. Such operands get MatMul with explicit Transposes instead.
+_LATE_OUTPUT = re.compile(r"_out([2-9]|[1-9][0-9]+)(_[0-9]+)?$")
+
+
+def _late_output(n: Node, x: Var) -> bool:
+    """x is output #2 or later of a multi-output node of the backward (named '<node>_out<k>')."""
+    return _LATE_OUTPUT.search(x.name) is not None
+
+
+def _gemm(n: Node, a: Var, b: Var, alpha: float | None = None, transA: int = 0, transB: int = 0) -> Var:
+    """alpha * op(a) @ op(b) for 2-D a, b: one Gemm, or MatMul where onnxruntime's Gemm fusion would fail."""
+    if not (_late_output(n, a) or _late_output(n, b)):
+        return n.op.Gemm(a, b, alpha=alpha, transA=transA or None, transB=transB or None)
+    y = n.op.MatMul(n.op.Transpose(a, perm=[1, 0]) if transA else a, n.op.Transpose(b, perm=[1, 0]) if transB else b)
+    return y if alpha is None or alpha == 1.0 else y * alpha
 
 
 # -- MatMul ---------------------------------------------------------------------------
@@ -49,7 +71,7 @@ def _swap_last(n: Node, x: Var) -> Var:
 def _matmul_grad_a(n: Node, a: Var, b: Var, dy: Var) -> Var:
     """dA = dY @ B^T (Gemm transB=1 in 2-D), summed over the batch dims A was broadcast along."""
     if a.rank == 2 and b.rank == 2:
-        return n.op.Gemm(dy, b, transB=1)
+        return _gemm(n, dy, b, transB=1)
     da = n.op.MatMul(dy, _swap_last(n, b))
     if b.rank == 2:
         return da                                             # A's batch dims are Y's
@@ -59,12 +81,12 @@ def _matmul_grad_a(n: Node, a: Var, b: Var, dy: Var) -> Var:
 def _matmul_grad_b(n: Node, a: Var, b: Var, dy: Var) -> Var:
     """dB = A^T @ dY; a weight shared by the whole batch gets one Gemm over flattened rows."""
     if a.rank == 2 and b.rank == 2:
-        return n.op.Gemm(a, dy, transA=1)
+        return _gemm(n, a, dy, transA=1)
     if b.rank == 2 or all(d == 1 for d in b.shape[:-2]):
         # dB[k, n] = sum over rows r of A[r, k] dY[r, n], rows = batch dims and m flattened
         rows_a = _flatten_rows(n, a, a.shape[-1] or b.shape[-2], a)
         rows_dy = _flatten_rows(n, dy, b.shape[-1], b)
-        db = n.op.Gemm(rows_a, rows_dy, transA=1)                  # [k, n]
+        db = _gemm(n, rows_a, rows_dy, transA=1)                  # [k, n]
         return db if b.rank == 2 else n.b.reshape_like(db, b)
     db = n.op.MatMul(_swap_last(n, a), dy)
     return n.b.unbroadcast(db, b, source=_batch_dims(n) + tuple(b.shape[-2:]))
@@ -135,14 +157,14 @@ def gemm(n: Node):
     da = db = dc = None
     if n.needs(0):
         if not ta:   # dA = alpha dY B'^T
-            da = n.op.Gemm(dy, b, alpha=scale, transB=1 - tb)
+            da = _gemm(n, dy, b, alpha=scale, transB=1 - tb)
         else:        # dA = (alpha dY B'^T)^T = alpha B' dY^T
-            da = n.op.Gemm(b, dy, alpha=scale, transA=tb, transB=1)
+            da = _gemm(n, b, dy, alpha=scale, transA=tb, transB=1)
     if n.needs(1):
         if not tb:   # dB = alpha A'^T dY
-            db = n.op.Gemm(a, dy, alpha=scale, transA=1 - ta)
+            db = _gemm(n, a, dy, alpha=scale, transA=1 - ta)
         else:        # dB = (alpha A'^T dY)^T = alpha dY^T A'
-            db = n.op.Gemm(dy, a, alpha=scale, transA=1, transB=ta)
+            db = _gemm(n, dy, a, alpha=scale, transA=1, transB=ta)
     if c is not None and n.needs(2):
         dc = n.b.unbroadcast(dy, c, source=n.outputs[0])
         if beta != 1.0:

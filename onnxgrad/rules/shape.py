@@ -132,10 +132,11 @@ def _int64(n: Node, x: Var) -> Var:
     return x if x.dtype == TensorProto.INT64 else n.op.Cast(x, to=TensorProto.INT64)
 
 
-def _nonneg(n: Node, idx: Var, size: Dim) -> Var:
+def _nonneg(n: Node, idx: Var, size: Dim, per_column: bool = False) -> Var:
     """Indices with negatives counted from the end (idx + size), int64; in Python when idx is a constant.
 
-    ``size``: an int, or an int64 tensor broadcasting against idx (GatherND: one size per index column).
+    ``size``: an int or a Dim [d], made 0-D so that a 0-D idx stays 0-D (Add would broadcast it to [1]);
+    ``per_column``: size is an int64 tensor broadcasting against idx (GatherND: one size per index column).
     """
     value = _value(n, idx)
     if value is not None and (not isinstance(size, Var) or not (value < 0).any()):
@@ -143,7 +144,10 @@ def _nonneg(n: Node, idx: Var, size: Dim) -> Var:
         return n.b.const(np.where(value < 0, value + (0 if isinstance(size, Var) else size), value))
     shape = idx.shape
     idx = _int64(n, idx)
-    shift = size if isinstance(size, Var) else n.b.ints([size])
+    if isinstance(size, Var):
+        shift = size if per_column else _scalar(n, size)
+    else:
+        shift = n.b.const(np.array(size, np.int64))
     out = n.op.Where(n.op.Less(idx, _scalar(n, 0)), n.op.Add(idx, shift), idx)
     n.b.infos[out.name] = TensorInfo(TensorProto.INT64, shape)
     return out
@@ -632,7 +636,7 @@ def gather_nd(n: Node):
         accumulate = not _distinct(n, rows)
     else:
         accumulate = True
-        idx = _nonneg(n, idx, _vec(n, indexed))
+        idx = _nonneg(n, idx, _vec(n, indexed), per_column=True)
         rows = n.b.squeeze(idx, [-1]) if k == 1 else n.b.sum(n.op.Mul(idx, _vec(n, strides)), [-1], keepdims=False)
         if bd:
             batch = n.op.Reshape(_range(n, _prod(n, dims[:bd])), _vec(n, dims[:bd] + [1] * (q - 1 - bd)))

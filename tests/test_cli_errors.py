@@ -1,0 +1,138 @@
+"""Bad input on the command line: one `error:` line, exit 2 and no file written; --check before writing."""
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxgrad
+from onnxgrad import check as C
+from onnxgrad import cli as CLI
+from onnxgrad.model import runtime_max_opset
+
+F = TensorProto.FLOAT
+
+
+def cli(*args):
+    return subprocess.run([sys.executable, "-m", "onnxgrad", *map(str, args)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def save(tmp_path, name, nodes, inputs, outputs, inits=(), opset=17):
+    m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
+                          opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 10
+    path = tmp_path / name
+    onnx.save(m, path)
+    return path
+
+
+@pytest.fixture
+def unknown_dims(tmp_path):
+    """x [?, ?] @ W [5, 3]: random inputs with every unknown dim 3 do not fit the weight."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32), "W")
+    return save(tmp_path, "unknown.onnx",
+                [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Tanh", ["h"], ["y"])],
+                [helper.make_tensor_value_info("x", F, [None, None])],
+                [helper.make_tensor_value_info("y", F, [None, None])], [w])
+
+
+def assert_user_error(r, *words):
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for w in words:
+        assert w in lines[0]
+
+
+def test_check_with_every_dim_unknown_finds_sizes_that_fit(unknown_dims, tmp_path):
+    out = tmp_path / "g.onnx"
+    r = cli(unknown_dims, "-o", out, "--check")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    assert "W_grad: worst relative error" in r.stdout and out.exists()
+
+
+def test_check_that_cannot_run_is_one_line(tmp_path):
+    """A model no size for the unknown dims makes run (Reshape to a fixed 7 elements) is a user error."""
+    shape = numpy_helper.from_array(np.array([7], np.int64), "shape")
+    path = save(tmp_path, "bad.onnx", [helper.make_node("Reshape", ["x", "shape"], ["r"]),
+                                       helper.make_node("Mul", ["r", "r"], ["y"])],
+                [helper.make_tensor_value_info("x", F, [None, None])],
+                [helper.make_tensor_value_info("y", F, [7])], [shape])
+    out = tmp_path / "g.onnx"
+    r = cli(path, "-o", out, "--check", "--wrt", "x")
+    assert_user_error(r, "--check")
+    assert not out.exists()
+
+
+def test_unwritable_output_folder(unknown_dims, tmp_path):
+    out = tmp_path / "unknown.onnx" / "g.onnx"        # under a file: no folder can be made there
+    r = cli(unknown_dims, "-o", out)
+    assert_user_error(r, "cannot write", "not a folder")
+    r = cli(unknown_dims, "-o", tmp_path)               # a folder
+    assert_user_error(r, "cannot write", "is a folder")
+
+
+def test_failing_check_writes_nothing(unknown_dims, tmp_path, monkeypatch, capsys):
+    def wrong(model, gm, **kw):
+        return C.CheckResult({"W": 0.5}, {}, backend="onnxruntime", grad_backend="onnxruntime")
+
+    monkeypatch.setattr(C, "check", wrong)
+    out = tmp_path / "g.onnx"
+    assert CLI.main([str(unknown_dims), "-o", str(out), "--check"]) == 1
+    assert not out.exists()
+    assert "numeric check failed" in capsys.readouterr().err
+
+
+def test_opset_newer_than_the_runtime_is_refused(tmp_path):
+    newest = runtime_max_opset()
+    path = save(tmp_path, "new.onnx", [helper.make_node("Neg", ["x"], ["y"])],
+                [helper.make_tensor_value_info("x", F, [2])], [helper.make_tensor_value_info("y", F, [2])],
+                opset=newest + 2)
+    out = tmp_path / "g.onnx"
+    r = cli(path, "-o", out, "--wrt", "x")
+    assert_user_error(r, f"opset {newest + 2}", f"opset {newest} the installed onnxruntime")
+    assert not out.exists()
+    with pytest.raises(onnxgrad.InvalidModelError):
+        onnxgrad.grad(str(path), wrt=["x"])
+
+
+def test_runtime_max_opset_is_what_onnxruntime_loads():
+    import onnxruntime as ort
+
+    newest = runtime_max_opset()
+    assert newest >= onnxgrad.model.RUNTIME_MAX_OPSET
+    m = helper.make_model(helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "g",
+                                            [helper.make_tensor_value_info("x", F, [2])],
+                                            [helper.make_tensor_value_info("y", F, [2])]),
+                          opset_imports=[helper.make_opsetid("", newest)])
+    m.ir_version = 10
+    ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_version():
+    r = cli("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"onnxgrad {onnxgrad.__version__}"
+
+
+def test_check_samples_big_models(tmp_path):
+    """Many parameters: a sample checked one by one, every gradient together along directions."""
+    rng = np.random.default_rng(0)
+    nodes, inits, h = [], [], "x"
+    for i in range(12):
+        inits.append(numpy_helper.from_array(rng.standard_normal((4, 4)).astype(np.float32) * 0.5, f"W{i}"))
+        nodes += [helper.make_node("MatMul", [h, f"W{i}"], [f"m{i}"]), helper.make_node("Tanh", [f"m{i}"], [f"h{i}"])]
+        h = f"h{i}"
+    nodes.append(helper.make_node("ReduceSum", [h], ["loss"], keepdims=0))
+    path = save(tmp_path, "deep.onnx", nodes, [helper.make_tensor_value_info("x", F, [2, 4])],
+                [helper.make_tensor_value_info("loss", F, [])], inits)
+    gm = onnxgrad.grad(str(path))
+    done = []
+    r = C.check(str(path), gm, sample=3, progress=lambda k, n: done.append((k, n)))
+    assert len(r.errors) == 3 and r.joint is not None and r.ok(1e-3)
+    assert done[-1][0] == done[-1][1]
+    out = cli(path, "-o", tmp_path / "g.onnx", "--check", "--check-sample", "2")
+    assert out.returncode == 0 and "checked together" in out.stdout and out.stderr == ""

@@ -1,0 +1,105 @@
+"""Real exports: symbolic dims, ranks onnx's inference misses, and onnxruntime's optimizer.
+
+Every gradient graph here must pass the checker, load and run in onnxruntime with its default
+(all) optimizations, and match float64 central differences.
+"""
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxgrad
+from onnxgrad.check import check
+
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+RNG = np.random.default_rng(7)
+
+
+def model(nodes, inputs, outputs, inits=(), opset=17):
+    m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
+                          opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 10
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def verify(m, feeds, wrt, of=None, tol=2e-3):
+    gm = onnxgrad.grad(m, wrt=wrt, of=of)
+    onnx.checker.check_model(gm, full_check=True)
+    ort.InferenceSession(gm.SerializeToString(), providers=["CPUExecutionProvider"])   # default optimizations
+    r = check(m, gm, feeds)
+    assert r.grad_backend == "onnxruntime", "the gradient graph did not run in onnxruntime"
+    assert r.ok(tol), r.errors
+    return gm
+
+
+@pytest.mark.parametrize("axis,idx", [(0, -1), (-3, -1), (-2, -1), (-1, [-1, 0]), (-2, [[0, -1], [1, 1]])])
+def test_gather_negative_axis_and_indices_on_symbolic_dims(axis, idx):
+    """A 0-D negative index made non-negative at run time stays 0-D (it became [1]: ScatterND refused)."""
+    x = helper.make_tensor_value_info("x", F, ["B", "S", "D"])
+    idx = numpy_helper.from_array(np.array(idx, np.int64), "i")
+    m = model([helper.make_node("Gather", ["x", "i"], ["y"], axis=axis)], [x], [], [idx])
+    m = onnx.shape_inference.infer_shapes(m)
+    m.graph.output.append(m.graph.value_info[0])
+    del m.graph.value_info[:]
+    verify(m, {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32)}, ["x"], ["y"])
+
+
+def _computed_reshape(tail_op):
+    """x [B, S, 8] -> Reshape(x, Concat(Shape(x)[0:end], [2, 4])) with end an input: the rank of the
+    result is unknown to onnx's inference; the declared output implies it."""
+    x = helper.make_tensor_value_info("x", F, ["B", "S", 8])
+    end = helper.make_tensor_value_info("end", I64, [1])
+    w = numpy_helper.from_array(RNG.standard_normal((4, 3)).astype(np.float32), "W")
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Slice", ["s", "start", "end"], ["s2"]),
+             helper.make_node("Concat", ["s2", "tail"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("Tanh", ["r"], ["t"]), tail_op]
+    n = 3 if tail_op.op_type == "MatMul" else 4
+    inits = [numpy_helper.from_array(np.array([0], np.int64), "start"),
+             numpy_helper.from_array(np.array([2, 4], np.int64), "tail"), w]
+    return model(nodes, [x, end], [helper.make_tensor_value_info("y", F, ["B", "S", 2, n])], inits)
+
+
+FEEDS = {"x": RNG.standard_normal((2, 3, 8)).astype(np.float32), "end": np.array([2], np.int64)}
+
+
+def test_wrt_after_a_reshape_to_a_computed_shape_has_a_shaped_gradient_output():
+    m = _computed_reshape(helper.make_node("Mul", ["t", "t"], ["y"]))
+    for wrt in (["r"], ["t"], ["x", "r"]):
+        gm = verify(m, FEEDS, wrt, ["y"])
+        for o in gm.graph.output:
+            assert o.type.tensor_type.HasField("shape")
+
+
+def test_matmul_after_a_reshape_to_a_computed_shape():
+    """The operand's rank comes back from the declared output and the weight's rank."""
+    verify(_computed_reshape(helper.make_node("MatMul", ["t", "W"], ["y"])), FEEDS, ["x", "W", "r"], ["y"])
+
+
+def test_check_perturbs_an_input_through_an_intermediate_also_differentiated():
+    """wrt=[x, r] with r computed from x: perturbing x moves r (the check cut r from x before)."""
+    m = _computed_reshape(helper.make_node("Mul", ["t", "t"], ["y"]))
+    gm = onnxgrad.grad(m, wrt=["x", "r"], of=["y"])
+    r = check(m, gm, FEEDS, max_elements=100)
+    assert np.abs(r.numeric["x"]).max() > 0.1 and r.ok(2e-3)
+
+
+def test_gemm_reading_a_third_split_output():
+    """Concat(a, b, MatMul(b, W)): the backward's Split output #2 must not feed a Gemm (GemmSumFusion)."""
+    a, b = (helper.make_tensor_value_info(k, F, [2, 3]) for k in "ab")
+    w = numpy_helper.from_array(RNG.standard_normal((3, 3)).astype(np.float32), "W")
+    m = model([helper.make_node("MatMul", ["b", "W"], ["c"]), helper.make_node("Concat", ["a", "b", "c"], ["y"], axis=1)],
+              [a, b], [helper.make_tensor_value_info("y", F, [2, 9])], [w])
+    feeds = {k: RNG.standard_normal((2, 3)).astype(np.float32) for k in "ab"}
+    verify(m, feeds, ["a", "b", "W"])
+
+
+def test_transpose_then_pad_with_axes():
+    """Transpose -> Pad-18(edge, axes) -> Sin: onnxruntime's transpose optimizer ignores axes."""
+    x = helper.make_tensor_value_info("x", F, [2, 3, 4])
+    inits = [numpy_helper.from_array(np.array([1, 1], np.int64), "p"), numpy_helper.from_array(np.array([2], np.int64), "ax")]
+    m = model([helper.make_node("Transpose", ["x"], ["t"], perm=[1, 0, 2]),
+               helper.make_node("Pad", ["t", "p", "", "ax"], ["q"], mode="edge"), helper.make_node("Sin", ["q"], ["y"])],
+              [x], [helper.make_tensor_value_info("y", F, [3, 2, 6])], inits, opset=18)
+    verify(m, {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32)}, ["x"])

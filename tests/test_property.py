@@ -1,0 +1,215 @@
+"""Property test: random small graphs over the op set, static and symbolic dims.
+
+Each graph's gradient must pass the checker, load and run in onnxruntime with its default
+optimizations, and match float64 central differences (onnxgrad.check). A refusal
+(UnsupportedOpError) is allowed but recorded with its reason; ``bench/property_run.py`` runs
+thousands and prints the tally. The CI count is bounded by ONNXGRAD_PROPERTY_COUNT (default 40).
+"""
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxgrad
+from onnxgrad.check import check, run_float64
+
+F = TensorProto.FLOAT
+
+
+class _Graph:
+    """A random graph under construction: tensors with concrete shapes, nodes, initializers."""
+
+    def __init__(self, rng: np.random.Generator, opset: int):
+        self.rng, self.opset = rng, opset
+        self.nodes, self.inits, self.shapes, self.k = [], [], {}, 0
+
+    def name(self, base: str) -> str:
+        self.k += 1
+        return f"{base}{self.k}"
+
+    def const(self, value: np.ndarray) -> str:
+        name = self.name("c")
+        self.inits.append(numpy_helper.from_array(value, name))
+        return name
+
+    def add(self, op: str, inputs: list[str], shape: tuple, **attrs) -> str:
+        out = self.name(op.lower())
+        self.nodes.append(helper.make_node(op, inputs, [out], name=self.name(op), **attrs))
+        self.shapes[out] = tuple(shape)
+        return out
+
+
+def _step(g: _Graph, x: str, pool: list[str]) -> tuple[str, str]:
+    """One random op applied to x; returns (output, op description)."""
+    rng, s = g.rng, g.shapes[x]
+    r = len(s)
+    op = rng.choice(["Tanh", "Sigmoid", "Sin", "Mul", "Add", "MatMul", "Transpose", "Reshape", "Concat", "Slice",
+                     "Gather", "Pad", "ReduceSum", "ReduceMean", "Unsqueeze", "Softmax", "LayerNormalization",
+                     "Expand", "Tile", "Split", "GatherElements", "Where"])
+    if r == 0 or min(s) == 0:
+        return g.add("Tanh", [x], s), "Tanh"
+    ax = int(rng.integers(-r, r))
+    a = ax % r
+    if op in ("Tanh", "Sigmoid", "Sin"):
+        return g.add(op, [x], s), op
+    if op in ("Mul", "Add"):
+        others = [p for p in pool if g.shapes[p] == s and p != x]
+        if others and rng.random() < 0.5:
+            y = str(rng.choice(others))
+        else:       # a broadcast weight over a suffix of x's dims, some of them 1
+            k = int(rng.integers(0, r + 1))
+            wshape = tuple(d if rng.random() < 0.6 else 1 for d in s[r - k:])
+            y = g.const(rng.standard_normal(wshape).astype(np.float32))
+        return g.add(op, [x, y], s), f"{op}"
+    if op == "MatMul":
+        n = int(rng.integers(1, 4))
+        w = g.const(rng.standard_normal((s[-1], n)).astype(np.float32) * 0.5)
+        return g.add("MatMul", [x, w], s[:-1] + (n,)), "MatMul"
+    if op == "Transpose":
+        perm = [int(p) for p in rng.permutation(r)]
+        return g.add("Transpose", [x], tuple(s[p] for p in perm), perm=perm), "Transpose"
+    if op == "Reshape" and r >= 2:   # merge the last two dims, with 0 (copy) and -1
+        shape = [0] * (r - 2) + [-1]
+        return g.add("Reshape", [x, g.const(np.array(shape, np.int64))], s[:-2] + (s[-2] * s[-1],)), "Reshape"
+    if op == "Concat":
+        others = [p for p in pool if len(g.shapes[p]) == r and all(g.shapes[p][i] == s[i] for i in range(r) if i != a)]
+        y = str(rng.choice(others))
+        shape = tuple(s[i] + (g.shapes[y][i] if i == a else 0) for i in range(r))
+        return g.add("Concat", [x, y, x], tuple(d + (s[a] if i == a else 0) for i, d in enumerate(shape)), axis=ax), \
+            "Concat"
+    if op == "Slice" and s[a] >= 2:
+        step = int(rng.choice([1, 2, -1]))
+        start, end = (0, s[a]) if step > 0 else (-1, -s[a] - 1)
+        if rng.random() < 0.5:
+            start = 1 if step > 0 else -2
+        out = len(range(*slice(start, end, step).indices(s[a])))
+        shape = tuple(out if i == a else d for i, d in enumerate(s))
+        return g.add("Slice", [x, g.const(np.array([start], np.int64)), g.const(np.array([end], np.int64)),
+                               g.const(np.array([ax], np.int64)), g.const(np.array([step], np.int64))], shape), \
+            f"Slice(step={step})"
+    if op == "Gather":
+        if rng.random() < 0.5:
+            idx = np.array(int(rng.integers(-s[a], s[a])), np.int64)
+        else:
+            idx = rng.integers(-s[a], s[a], size=int(rng.integers(1, 4))).astype(np.int64)
+        shape = s[:a] + idx.shape + s[a + 1:]
+        return g.add("Gather", [x, g.const(idx)], shape, axis=ax), f"Gather(idx{idx.ndim}d)"
+    if op == "Pad":
+        mode = str(rng.choice(["constant", "edge", "reflect"]))
+        b, e = int(rng.integers(0, 3)), int(rng.integers(0, 3))
+        if mode == "reflect":
+            b, e = min(b, s[a] - 1), min(e, s[a] - 1)
+        pads = [0] * (2 * r)
+        pads[a], pads[a + r] = b, e
+        shape = tuple(d + (b + e if i == a else 0) for i, d in enumerate(s))
+        return g.add("Pad", [x, g.const(np.array(pads, np.int64))], shape, mode=mode), f"Pad({mode})"
+    if op in ("ReduceSum", "ReduceMean") and r >= 2:
+        keep = int(rng.integers(0, 2))
+        shape = tuple(1 if i == a else d for i, d in enumerate(s)) if keep else s[:a] + s[a + 1:]
+        if op == "ReduceSum" or g.opset >= 18:
+            return g.add(op, [x, g.const(np.array([ax], np.int64))], shape, keepdims=keep), op
+        return g.add(op, [x], shape, axes=[ax], keepdims=keep), op
+    if op == "Unsqueeze" and r < 4:
+        return g.add("Unsqueeze", [x, g.const(np.array([a], np.int64))], s[:a] + (1,) + s[a:]), "Unsqueeze"
+    if op == "Softmax":
+        return g.add("Softmax", [x], s, axis=ax), "Softmax"
+    if op == "LayerNormalization" and g.opset >= 17:
+        scale = g.const((1 + 0.3 * rng.standard_normal(s[-1])).astype(np.float32))
+        return g.add("LayerNormalization", [x, scale], s, axis=-1), "LayerNormalization"
+    if op == "Expand" and r < 4:
+        shape = (2,) + s
+        return g.add("Expand", [x, g.const(np.array(shape, np.int64))], shape), "Expand"
+    if op == "Tile":
+        reps = [int(rng.integers(1, 3)) for _ in s]
+        return g.add("Tile", [x, g.const(np.array(reps, np.int64))], tuple(d * t for d, t in zip(s, reps))), "Tile"
+    if op == "Split" and s[a] >= 2:
+        first = int(rng.integers(1, s[a]))
+        outs = [g.name("split"), g.name("split")]
+        g.nodes.append(helper.make_node("Split", [x, g.const(np.array([first, s[a] - first], np.int64))], outs,
+                                        axis=ax, name=g.name("Split")))
+        g.shapes[outs[0]] = tuple(first if i == a else d for i, d in enumerate(s))
+        g.shapes[outs[1]] = tuple(s[a] - first if i == a else d for i, d in enumerate(s))
+        pool.append(outs[0])
+        return outs[1], "Split"
+    if op == "GatherElements":
+        idx = rng.integers(-s[a], s[a], size=s).astype(np.int64)
+        return g.add("GatherElements", [x, g.const(idx)], s, axis=ax), "GatherElements"
+    if op == "Where":
+        cond = g.const(rng.random(s) < 0.5)
+        return g.add("Where", [cond, x, g.const(np.float32(0.5))], s), "Where"
+    return g.add("Tanh", [x], s), "Tanh"
+
+
+def random_case(seed: int, symbolic: bool) -> tuple[onnx.ModelProto, dict, list[str], list[str]]:
+    """A random model, its feeds, the tensors to differentiate and the op sequence."""
+    rng = np.random.default_rng(seed)
+    opset = int(rng.choice([13, 17, 18]))
+    g = _Graph(rng, opset)
+    r = int(rng.integers(1, 4))
+    shape = tuple(int(d) for d in rng.integers(2, 5, size=r))
+    g.shapes["x"] = shape
+    pool, ops, h = ["x"], [], "x"
+    for _ in range(int(rng.integers(2, 6))):
+        h, what = _step(g, h, pool)
+        pool.append(h)
+        ops.append(what)
+    names: dict[int, str] = {}
+    dims = [f"d{i}" if rng.random() < 0.7 else None for i in range(r)] if symbolic else list(shape)
+    x = helper.make_tensor_value_info("x", F, dims)
+    y = helper.make_tensor_value_info(h, F, [f"y{i}" for i in range(len(g.shapes[h]))] if symbolic
+                                      else list(g.shapes[h]))
+    m = helper.make_model(helper.make_graph(g.nodes, f"case{seed}", [x], [y], g.inits),
+                          opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    del names
+    wrt = ["x"] + [t.name for t in g.inits if t.data_type == F and rng.random() < 0.5]
+    if len(g.nodes) > 2 and rng.random() < 0.3:      # an intermediate tensor too
+        wrt.append(g.nodes[0].output[0])
+    feeds = {"x": rng.standard_normal(shape).astype(np.float32)}
+    return m, feeds, list(dict.fromkeys(wrt)), ops
+
+
+def run_one(seed: int, symbolic: bool) -> tuple[str, str]:
+    """('ok' | 'refused' | 'invalid' | 'wrong', detail)."""
+    m, feeds, wrt, ops = random_case(seed, symbolic)
+    label = f"seed {seed} {'symbolic' if symbolic else 'static'} {' -> '.join(ops)}"
+    try:    # allow_unused: a random graph may make a weight irrelevant (Where, a Gather of other rows)
+        gm = onnxgrad.grad(m, wrt=wrt, of=[m.graph.output[0].name], allow_unused=True)
+    except onnxgrad.UnsupportedOpError as e:
+        return "refused", f"{label}: {e}"
+    try:
+        onnx.checker.check_model(gm, full_check=True)
+        ort.InferenceSession(gm.SerializeToString(), providers=["CPUExecutionProvider"])  # default optimizations
+        r = check(m, gm, feeds, max_elements=40)
+    except Exception as e:
+        return "invalid", f"{label}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+    if r.grad_backend != "onnxruntime":
+        return "invalid", f"{label}: onnxruntime did not run the gradient graph"
+    if not r.ok(5e-3):
+        # float32 rounding in an ill-conditioned graph (LayerNormalization of a nearly constant row),
+        # or a wrong formula: the same gradient graph in float64 tells them apart
+        r64 = check(m, gm, feeds, max_elements=40, analytic_run=run_float64)
+        if not r64.ok(1e-4):
+            return "wrong", f"{label}: {r64.errors}"
+    return "ok", label
+
+
+COUNT = int(os.environ.get("ONNXGRAD_PROPERTY_COUNT", "40"))
+
+
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
+def test_random_graphs(symbolic):
+    tally, bad = Counter(), []
+    for seed in range(COUNT // 2):
+        kind, detail = run_one(seed, symbolic)
+        tally[kind] += 1
+        if kind in ("wrong", "invalid"):
+            bad.append(detail)
+    assert not bad, "\n".join(bad)
+    assert tally["ok"] >= COUNT // 4, tally
