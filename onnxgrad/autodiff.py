@@ -125,8 +125,7 @@ class _Pass:
         if wrt is None:
             from .params import parameters, restore_ties
 
-            report = parameters(self.model, loss=self.loss, of=self.of or None, strict_tags=self.strict,
-                                _facts=(self.infos, self.reach))
+            report = parameters(self.model, loss=self.loss, of=self.of or None, strict_tags=self.strict, _pass=self)
             if any(p.tied_to for p in report):       # tied copies are computed from their parameter
                 self.model = restore_ties(self.model, report)
                 self.nodes = list(self.model.graph.node)

@@ -40,7 +40,6 @@ from onnx import numpy_helper
 
 from . import graph as G
 from . import model as M
-from .builder import TensorInfo
 from .errors import UnknownNameError
 
 __all__ = ["Parameter", "ParameterReport", "parameters", "restore_ties"]
@@ -127,7 +126,7 @@ def parameters(
     of: Sequence[str] | str | None = None,
     frozen: Sequence[str] = (),
     strict_tags: bool = False,
-    _facts: tuple[Mapping[str, TensorInfo], set[str]] | None = None,
+    _pass=None,
 ) -> ParameterReport:
     """Decide which float initializers of ``model`` are trainable (see the module's rules).
 
@@ -136,16 +135,11 @@ def parameters(
     not to train. The result lists every float initializer with its reason;
     ``.trainable`` is the default ``wrt`` of ``grad`` and what training sessions train.
     """
-    if _facts is None:
+    if _pass is None:          # the pass that differentiates the model knows what reaches its outputs
         from .autodiff import _Pass
 
-        p = _Pass(M.load(model), [], [of] if isinstance(of, str) else of, loss, True, strict_tags)
-        model, infos, reach = p.model, p.infos, p.reach
-        what = p._what()
-    else:
-        infos, reach = _facts
-        what = f"loss '{loss}'" if loss else "outputs " + ", ".join(f"'{o}'" for o in (of or []))
-    assert isinstance(model, onnx.ModelProto)
+        _pass = _Pass(M.load(model), [], [of] if isinstance(of, str) else of, loss, True, strict_tags)
+    model, reach, what = _pass.model, _pass.reach, _pass._what()
     g = model.graph
     floats = [i for i in g.initializer if i.data_type in M.FLOAT_TYPES]
     names = {i.name for i in floats}
