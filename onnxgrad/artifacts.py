@@ -371,7 +371,8 @@ class _Builder:
             vi.doc_string = doc
             g.output.append(vi)
         g.input.extend(new_inputs)
-        g.initializer.extend(new_inits)
+        for t in new_inits:
+            g.initializer.add().CopyFrom(t)
         g.node.extend(b.nodes)
         m.ir_version = M.emitted_ir_version(m)
 
@@ -419,9 +420,8 @@ def _turn_into_inputs(g: onnx.GraphProto, params: Sequence[str], keep_defaults: 
             vi.doc_string = doc
             vis.append(vi)
     if not keep_defaults:
-        keep = [i for i in g.initializer if i.name not in set(params)]
-        del g.initializer[:]
-        g.initializer.extend(keep)
+        dropped = set(params)
+        M.keep_only(g.initializer, lambda t: t.name not in dropped)
         # a parameter that was already a graph input keeps its place; the others come after the data
     g.input.extend(vis)
 
@@ -440,13 +440,11 @@ def _prune(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
     m.CopyFrom(model)
     g = m.graph
     needed = G.dependencies(g.node, outputs)
-    keep = [n for n in g.node if any(o in needed for o in n.output if o)]
-    outs = [o for o in g.output if o.name in set(outputs)]
-    ins = [i for i in g.input if i.name in needed]
-    inits = [i for i in g.initializer if i.name in needed]
-    for field_, values in ((g.node, keep), (g.output, outs), (g.input, ins), (g.initializer, inits)):
-        del field_[:]
-        field_.extend(values)
+    wanted = set(outputs)
+    M.keep_only(g.node, lambda n: any(o in needed for o in n.output if o))
+    M.keep_only(g.output, lambda o: o.name in wanted)
+    M.keep_only(g.input, lambda i: i.name in needed)
+    M.keep_only(g.initializer, lambda t: t.name in needed)
     return m
 
 

@@ -18,6 +18,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .builder import FLOAT_TYPES
+from .files import runnable
 
 _TO_DOUBLE = {t: TensorProto.DOUBLE for t in FLOAT_TYPES}
 # Gradients smaller than this are compared in absolute terms: a gradient that is zero
@@ -50,8 +51,8 @@ class Runner:
 
                 opts = ort.SessionOptions()
                 opts.log_severity_level = 3
-                self._sess = ort.InferenceSession(model.SerializeToString(), opts,
-                                                  providers=["CPUExecutionProvider"])
+                with runnable(model) as source:     # a model over 2 GB: by path, its data beside it
+                    self._sess = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
                 self.backend = "onnxruntime"
             except Exception:
                 if strict:

@@ -1,12 +1,13 @@
 """Writing files so that a crash never leaves a half-written one behind."""
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import onnx
-import onnx.external_data_helper
+import onnx.numpy_helper
 
 # protobuf refuses to serialise a message over 2 GB: bigger models keep their tensors beside them
 PROTOBUF_LIMIT = 2_000_000_000
@@ -86,22 +87,105 @@ def _alive(pid: int) -> bool:
 
 
 def save_model(model: onnx.ModelProto, path: str) -> None:
-    """Save a model atomically. One over protobuf's 2 GB limit keeps its tensors in ``<path>.data``,
-    written first (to a temporary file renamed into place), then the model file."""
-    if model.ByteSize() < PROTOBUF_LIMIT:
+    """Save a model atomically. One over protobuf's 2 GB limit keeps its large tensors in ``<path>.data``
+    beside it (written first, to a temporary file renamed into place), then the model file; tensors are
+    written one at a time from the model, never copied into a second proto."""
+    if not over_limit(model):
         atomic_write(path, lambda f: f.write(model.SerializeToString()))
         return
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
     data = os.path.basename(path) + ".data"
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".onnxgrad-") as scratch:
-        onnx.external_data_helper.convert_model_to_external_data(
-            copy, all_tensors_to_one_file=True, location=data, size_threshold=0)
-        onnx.external_data_helper.write_external_data_tensors(copy, scratch)
-        os.replace(os.path.join(scratch, data), os.path.join(folder, data))
-    atomic_write(path, lambda f: f.write(copy.SerializeToString()))
+    where: dict[str, tuple[int, int]] = {}
+
+    def write_data(f) -> None:
+        offset = 0
+        for t in _large_tensors(model):
+            pad = -offset % _ALIGN          # aligned, so that runtimes can map tensors in place
+            f.write(b"\0" * pad)
+            offset += pad
+            raw = t.raw_data if t.HasField("raw_data") else onnx.numpy_helper.to_array(t).tobytes()
+            f.write(raw)
+            where[t.name] = (offset, len(raw))
+            offset += len(raw)
+
+    atomic_write(os.path.join(os.path.dirname(os.path.abspath(path)), data), write_data)
+    small = stripped(model, lambda t: (data, *where[t.name]) if t.name in where else None)
+    atomic_write(path, lambda f: f.write(small.SerializeToString()))
+
+
+_ALIGN = 4096
+# tensors at least this large go to the data file of a model over the limit
+_EXTERNAL_THRESHOLD = 1024
+
+
+def _large_tensors(model: onnx.ModelProto):
+    """The main graph's initializers stored in the proto with at least _EXTERNAL_THRESHOLD bytes."""
+    for t in model.graph.initializer:
+        if t.data_location != onnx.TensorProto.EXTERNAL and nbytes(t) >= _EXTERNAL_THRESHOLD:
+            yield t
+
+
+def over_limit(message) -> bool:
+    """Whether protobuf refuses to serialise ``message`` (over 2 GB: upb cannot even size it)."""
+    return nbytes(message) >= PROTOBUF_LIMIT
+
+
+def nbytes(message) -> int:
+    """message.ByteSize(), or the limit itself where protobuf cannot size it."""
+    try:
+        return message.ByteSize()
+    except Exception:       # google.protobuf.message.EncodeError over 2 GB
+        return PROTOBUF_LIMIT
+
+
+def stripped(model: onnx.ModelProto, external: "Callable[[onnx.TensorProto], tuple[str, int, int] | None]"
+             ) -> onnx.ModelProto:
+    """A copy of ``model`` whose main-graph initializers for which ``external`` gives (location, offset,
+    length) carry no data but that reference; the others copied. Built field by field, so that the large
+    tensors are never copied."""
+    out = onnx.ModelProto()
+    for field, value in model.ListFields():
+        if field.name != "graph":
+            _copy_field(out, field, value)
+    for field, value in model.graph.ListFields():
+        if field.name != "initializer":
+            _copy_field(out.graph, field, value)
+    for t in model.graph.initializer:
+        ref = external(t) if t.data_location != onnx.TensorProto.EXTERNAL else None
+        if ref is None:
+            out.graph.initializer.add().CopyFrom(t)
+            continue
+        location, offset, length = ref
+        e = out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims, doc_string=t.doc_string)
+        e.data_location = onnx.TensorProto.EXTERNAL
+        for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
+            e.external_data.add(key=k, value=v)
+    return out
+
+
+def _copy_field(out, field, value) -> None:
+    repeated = getattr(field, "is_repeated", None)       # protobuf >= 5.28; .label before
+    if repeated is None:
+        repeated = field.label == field.LABEL_REPEATED
+    if repeated:
+        getattr(out, field.name).extend(value)
+    elif field.message_type is not None:
+        getattr(out, field.name).CopyFrom(value)
+    else:
+        setattr(out, field.name, value)
+
+
+@contextlib.contextmanager
+def runnable(model: onnx.ModelProto) -> Iterator["bytes | str"]:
+    """What ``onnxruntime.InferenceSession`` takes for ``model``: its bytes, or for a model over protobuf's
+    2 GB limit the path of a copy saved with its data beside it in a temporary folder, removed on exit
+    (once the session is built: onnxruntime has read or mapped the data)."""
+    if not over_limit(model):
+        yield model.SerializeToString()
+        return
+    with tempfile.TemporaryDirectory(prefix="onnxgrad-") as scratch:
+        path = os.path.join(scratch, "model.onnx")
+        save_model(model, path)
+        yield path
 
 
 def save_arrays(arrays: "dict[str, Any]", path: str) -> None:

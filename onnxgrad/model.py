@@ -14,6 +14,7 @@ from onnx import helper, numpy_helper, shape_inference
 
 from .builder import FLOAT_TYPES, TensorInfo
 from .errors import InvalidModelError
+from .files import nbytes, over_limit, stripped
 
 MIN_OPSET = 13
 # onnxruntime 1.31 loads IR versions up to 13 and ai.onnx opsets up to 26: the floor we rely on
@@ -56,14 +57,20 @@ def runtime_max_opset() -> int:
 
 def load(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
     """The model as a proto (external data loaded from beside a path), validated and at opset >= 13."""
+    path = None
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
         if not os.path.isfile(path):
             raise InvalidModelError(f"cannot read model '{path}': no such file")
         try:
-            model = onnx.load(path, load_external_data=True)
+            model = onnx.load(path, load_external_data=False)
+            external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+            if external:
+                onnx.load_external_data_for_model(model, os.path.dirname(os.path.abspath(path)))
         except Exception as e:  # protobuf raises a zoo of types for a file that is not a model
             raise InvalidModelError(f"cannot read model '{path}': {type(e).__name__}: {e}") from None
+        if not external:
+            path = None         # checked as a proto below, as any other
     elif not isinstance(model, onnx.ModelProto):
         raise InvalidModelError(f"expected an onnx.ModelProto or a path, got {type(model).__name__}")
     else:
@@ -73,7 +80,9 @@ def load(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
     if not model.graph.node and not model.graph.output:
         raise InvalidModelError("the model has an empty graph (is this an ONNX model file?)")
     try:
-        onnx.checker.check_model(model)
+        # a model with external data is checked by path (its data files, any size); a proto over
+        # protobuf's 2 GB limit cannot be serialised for the checker: its skeleton is checked
+        onnx.checker.check_model(path if path is not None else skeleton(model))
     except Exception as e:
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         # onnx 1.23's checker refuses ops deprecated after the model's opset (GroupNormalization-18,
@@ -154,6 +163,39 @@ def _pads_on_every_axis(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
+# initializers at least this large are left out of a skeleton (data_prop reads only small ones)
+_SKELETON_THRESHOLD = 1 << 20
+
+
+def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The model itself when it is under protobuf's 2 GB limit; else a copy whose large initializers
+    are graph inputs of their type and dims, for the checker and shape inference, which serialise
+    the model and need no large values."""
+    if not over_limit(model):
+        return model
+    out = stripped(model, lambda t: ("", 0, 0) if nbytes(t) >= _SKELETON_THRESHOLD else None)
+    kept = [t for t in out.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+    large = [t for t in out.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    inputs = {i.name for i in out.graph.input}
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    for t in large:     # declared as inputs: their type and dims, no data (the checker wants data or a file)
+        if t.name not in inputs:
+            out.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return out
+
+
+def keep_only(field, keep) -> None:
+    """Delete, in place, the items of a repeated proto field for which ``keep(item)`` is false.
+
+    In place rather than ``del field[:]; field.extend(kept)``: protobuf (upb) refuses to copy a
+    message over 2 GB back into a field, which a large initializer is.
+    """
+    for i in reversed(range(len(field))):
+        if not keep(field[i]):
+            del field[i]
+
+
 def opset_of(model: onnx.ModelProto) -> int:
     for o in model.opset_import:
         if o.domain in ("", "ai.onnx"):
@@ -168,6 +210,7 @@ def infer(model: onnx.ModelProto) -> onnx.ModelProto:
     ranks (and dims) the graph's declared outputs and shape-preserving ops imply are then recovered
     backwards (:func:`_recover_ranks`) and inference is run again from them.
     """
+    model = skeleton(model)
     try:
         inferred = shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
     except Exception:

@@ -420,9 +420,7 @@ def restore_ties(model: onnx.ModelProto, report: ParameterReport) -> onnx.ModelP
     g = m.graph
     dims = {i.name: list(i.dims) for i in g.initializer}
     tied = {p.name for p in ties}
-    kept = [i for i in g.initializer if i.name not in tied]
-    del g.initializer[:]
-    g.initializer.extend(kept)
+    M.keep_only(g.initializer, lambda t: t.name not in tied)
     nodes = []
     for p in ties:
         scope = f"{p.name}/tie"
@@ -430,7 +428,7 @@ def restore_ties(model: onnx.ModelProto, report: ParameterReport) -> onnx.ModelP
             nodes.append(onnx.helper.make_node("Transpose", [p.tied_to], [p.name], name=scope, perm=[1, 0]))
         else:
             shape = f"{scope}/shape"
-            g.initializer.append(numpy_helper.from_array(np.array(dims[p.name], np.int64), shape))
+            g.initializer.add().CopyFrom(numpy_helper.from_array(np.array(dims[p.name], np.int64), shape))
             nodes.append(onnx.helper.make_node("Reshape", [p.tied_to, shape], [p.name], name=scope))
     rest = list(g.node)
     del g.node[:]

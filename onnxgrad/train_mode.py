@@ -63,7 +63,7 @@ def to_train_mode(model: onnx.ModelProto, seed: int = 0) -> TrainMode:
         elif node.op_type == "Dropout" and opset >= 12 and not _dropout_active(node, g):
             if true_name is None:
                 true_name = names.fresh("onnxgrad.training_mode")
-                g.initializer.append(numpy_helper.from_array(np.array(True), true_name))
+                g.initializer.add().CopyFrom(numpy_helper.from_array(np.array(True), true_name))
             while len(node.input) < 3:
                 node.input.append("")
             node.input[2] = true_name
@@ -85,7 +85,7 @@ def to_eval_mode(model: onnx.ModelProto) -> onnx.ModelProto:
             if false_name is None:
                 false_name = NameScope({i.name for i in g.initializer} | {o for n in g.node for o in n.output}
                                        ).fresh("onnxgrad.eval_mode")
-                g.initializer.append(numpy_helper.from_array(np.array(False), false_name))
+                g.initializer.add().CopyFrom(numpy_helper.from_array(np.array(False), false_name))
             node.input[2] = false_name
     return m
 

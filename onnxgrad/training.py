@@ -33,7 +33,7 @@ from onnx import helper, numpy_helper
 
 from . import artifacts as A
 from .errors import OnnxGradError, UnknownNameError
-from .files import atomic_write, save_model
+from .files import atomic_write, runnable, save_model
 from .optim import Optimizer, from_config
 
 __all__ = ["TrainingSession", "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError",
@@ -493,7 +493,8 @@ class TrainingSession:
         if opts is None:
             opts = ort.SessionOptions()
             opts.log_severity_level = 3
-        return ort.InferenceSession(model.SerializeToString(), opts, providers=self._providers)
+        with runnable(model) as source:     # a model over 2 GB: by path, its data beside it
+            return ort.InferenceSession(source, opts, providers=self._providers)
 
     def _eval_session(self, with_loss: bool) -> tuple[Any, list[str], list[str], list[str]]:
         """(session, its data inputs, its parameter inputs, its outputs), built on first use."""

@@ -103,3 +103,34 @@ def test_transpose_then_pad_with_axes():
                helper.make_node("Pad", ["t", "p", "", "ax"], ["q"], mode="edge"), helper.make_node("Sin", ["q"], ["y"])],
               [x], [helper.make_tensor_value_info("y", F, [3, 2, 6])], inits, opset=18)
     verify(m, {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32)}, ["x"])
+
+
+
+def _unknown_rank(node, inits, out_rank, opset=17):
+    """x [2, 3, 4] reshaped to a shape fed at run time (its rank unknown to the pass), then node -> y."""
+    x = helper.make_tensor_value_info("x", F, [2, 3, 4])
+    s = helper.make_tensor_value_info("s", I64, ["k"])
+    y = helper.make_tensor_value_info("y", F, [f"y{i}" for i in range(out_rank)])
+    node.input[0] = "r"
+    return model([helper.make_node("Reshape", ["x", "s"], ["r"]), node], [x, s], [y], inits, opset)
+
+
+FEEDS_RANK3 = {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32), "s": np.array([2, 3, 4], np.int64)}
+
+
+@pytest.mark.parametrize("axis,idx,opset", [(0, [1, 0, 1], 17), (1, [[-1, 0]], 17), (-1, 1, 17), (-2, [0, -1, 0], 13),
+                                            (2, [3, 3], 13)])
+def test_gather_on_an_operand_of_unknown_rank(axis, idx, opset):
+    """x seen as [A, d, B] from Shape(x): one scatter-add whatever x's rank."""
+    idx = np.array(idx, np.int64)
+    m = _unknown_rank(helper.make_node("Gather", ["x", "i"], ["y"], axis=axis),
+                      [numpy_helper.from_array(idx, "i")], 2 + idx.ndim, opset)
+    verify(m, FEEDS_RANK3, ["x"], ["y"])
+
+
+@pytest.mark.parametrize("mode,opset", [("constant", 17), ("edge", 17), ("reflect", 13), ("wrap", 19)])
+def test_pad_on_an_operand_of_unknown_rank(mode, opset):
+    """Without axes, pads has two entries per axis: the rank is len(pads) / 2."""
+    pads = numpy_helper.from_array(np.array([1, 0, 1, 1, 1, 2], np.int64), "p")
+    m = _unknown_rank(helper.make_node("Pad", ["x", "p"], ["y"], mode=mode), [pads], 3, opset)
+    verify(m, FEEDS_RANK3, ["x"], ["y"])

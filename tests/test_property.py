@@ -105,9 +105,12 @@ def _step(g: _Graph, x: str, pool: list[str]) -> tuple[str, str]:
         b, e = int(rng.integers(0, 3)), int(rng.integers(0, 3))
         if mode == "reflect":
             b, e = min(b, s[a] - 1), min(e, s[a] - 1)
+        shape = tuple(d + (b + e if i == a else 0) for i, d in enumerate(s))
+        if g.opset >= 18 and rng.random() < 0.3:    # Pad-18's axes input, negative axes included
+            return g.add("Pad", [x, g.const(np.array([b, e], np.int64)), "", g.const(np.array([ax], np.int64))],
+                         shape, mode=mode), f"Pad({mode}, axes)"
         pads = [0] * (2 * r)
         pads[a], pads[a + r] = b, e
-        shape = tuple(d + (b + e if i == a else 0) for i, d in enumerate(s))
         return g.add("Pad", [x, g.const(np.array(pads, np.int64))], shape, mode=mode), f"Pad({mode})"
     if op in ("ReduceSum", "ReduceMean") and r >= 2:
         keep = int(rng.integers(0, 2))

@@ -355,16 +355,19 @@ def pad(n: Node):
     reflect, edge, wrap: dx folds the border back: each border value's dy is added where it was copied from.
     """
     x = n.inputs[0]
-    r = _rank(n, x)
     mode = n.attr("mode", "constant")
     pads = n.const_ints(1)
+    if x.rank is None and n.input(3) is None and pads is not None:
+        r = len(pads) // 2           # pads has two entries per axis of x
+    else:
+        r = _rank(n, x)
     if n.input(3) is not None:
         axes = n.const_ints(3)
     else:
         axes = list(range(r))
     if pads is None or axes is None:
         if mode != "constant":
-            n.unsupported(f"Pad mode '{mode}' with pads or axes computed at run time")
+            return (_pad_grad_border_dynamic(n, x, mode),)
         return (_pad_grad_dynamic(n, x),)
     axes = [_axis(n, a, r) for a in axes]
     k = len(axes)
@@ -378,9 +381,10 @@ def pad(n: Node):
     g = n.dy
     for a in range(r):
         if begin[a] or end[a]:
-            d = x.shape[a]
-            if d is None:
-                n.unsupported(f"Pad mode '{mode}' along an axis whose size is unknown when the gradient is built")
+            d = x.shape[a] if x.shape is not None else None
+            if d is None:       # the source of each y position computed at run time, then scatter-added
+                g = _fold_dynamic(n, g, a, r, _dim(n, x, a), mode, begin[a], _dim(n, n.dy, a))
+                continue
             source = np.pad(np.arange(d), (begin[a], end[a]), mode=mode)   # y position -> x position
             g = _fold(n, g, a, r, source, d)
     return (g,)
@@ -420,6 +424,45 @@ def _pad_grad_dynamic(n: Node, x: Var) -> Var:
     g = n.op.Slice(n.dy, b, n.op.Sub(y_size, e), on_axes)
     cropped = n.op.Max(n.op.Neg(pads), zero)
     return n.op.Pad(g, cropped, None, axes) if axes is not None else n.op.Pad(g, cropped)
+
+
+def _pad_grad_border_dynamic(n: Node, x: Var, mode: str) -> Var:
+    """reflect, edge, wrap with pads (or axes) known at run time: every axis of x folded
+    (:func:`_fold_dynamic`), each with its begin pad read from the pads tensor (0 off the padded axes)."""
+    r = _rank(n, x)
+    pads = _int64(n, n.input(1))
+    begin: Var = pads
+    if n.input(3) is not None:   # begin pads scattered onto every axis: [0] * r with begin[axes[i]] = pads[i]
+        axes = _nonneg(n, _int64(n, n.input(3)), r)
+        k = n.op.Reshape(n.op.Size(axes), n.b.ints([1]))
+        begin = n.op.ScatterElements(n.b.ints([0] * r), axes, n.op.Slice(pads, n.b.ints([0]), k))
+    g = n.dy
+    for a in range(r):
+        b = n.op.Slice(begin, n.b.ints([a]), n.b.ints([a + 1]))
+        g = _fold_dynamic(n, g, a, r, _dim(n, x, a), mode, b, _dim(n, n.dy, a))
+    return g
+
+
+def _fold_dynamic(n: Node, g: Var, axis: int, r: int, d: Dim, mode: str, begin: Dim, y_len: Dim) -> Var:
+    """dx[i] = sum of g[j] over the j whose source is i, along axis, with the sizes read at run time:
+    j - begin is taken back into [0, d) as the mode copied it (edge: clamped; reflect: mirrored with
+    period 2(d - 1); wrap: modulo d), then g is scatter-added there."""
+    zero, one = _scalar(n, 0), _scalar(n, 1)
+    d0 = _scalar(n, d)
+    j = n.op.Sub(_range(n, y_len), _scalar(n, begin))
+    if mode == "edge":
+        src = n.op.Max(n.op.Min(j, n.op.Sub(d0, one)), zero)
+    elif mode == "reflect":
+        period = n.op.Max(n.op.Mul(n.op.Sub(d0, one), _scalar(n, 2)), one)     # d = 1 copies its one value
+        m = n.op.Mod(n.op.Abs(j), period)
+        src = n.op.Where(n.op.Less(m, d0), m, n.op.Sub(period, m))
+    elif mode == "wrap":
+        src = n.op.Mod(j, d0)       # fmod=0: the divisor's sign, so negative j wrap to the end
+    else:
+        n.unsupported(f"Pad mode '{mode}'")
+    n.b.infos[src.name] = TensorInfo(TensorProto.INT64, (None,))
+    dims = [d if a == axis else _dim(n, g, a) for a in range(r)]
+    return _index_add(n, dims, axis, src, g, g)
 
 
 def _fold(n: Node, g: Var, axis: int, r: int, source: np.ndarray, d: int) -> Var:
@@ -563,7 +606,9 @@ def _index_add_onehot(n: Node, dims: list[Dim], axis: int, idx: Var, upd: Var, l
     """Before opset 16 (no scatter-add): out = onehot[d, K] @ upd as [.., K, rest], onehot = (range(d) == idx)."""
     hot = _onehot(n, n.b.unsqueeze(_range(n, dims[axis]), [1]), n.op.Reshape(idx, n.b.ints([1, -1])), like)
     rest = dims[axis + 1:]
-    if all(isinstance(d, int) for d in rest):
+    if idx.rank == 1:
+        shape = [0, -1]             # a constant shape: onnx's inference keeps the rank (MatMul's grad needs it)
+    elif all(isinstance(d, int) for d in rest):
         shape = [-1, _prod(n, rest)]
     elif idx.info.static:
         shape = [int(np.prod(idx.shape, dtype=np.int64)), -1]
@@ -577,10 +622,28 @@ def _index_add_onehot(n: Node, dims: list[Dim], axis: int, idx: Var, upd: Var, l
 def gather(n: Node):
     """y = take(x, idx, axis):  dx = zeros(x) with dx[.., idx[j], ..] += dy[.., j, ..]   (repeats accumulate)"""
     x, idx = n.inputs
+    if x.rank is None:
+        return _gather_grad_any_rank(n, x, idx, n.attr("axis", 0)), None
     axis = _axis(n, n.attr("axis", 0), _rank(n, x))
     dims = _dims(n, x)
     idx = _nonneg(n, idx, dims[axis])
     return _index_add(n, dims, axis, idx, n.dy, x, accumulate=not _distinct(n, idx)), None
+
+
+def _gather_grad_any_rank(n: Node, x: Var, idx: Var, axis: int) -> Var:
+    """x of unknown rank: x seen as [A, d, B] (A, B: the products of the dims before and after axis,
+    read from Shape(x)), dy as [A, K, B] with K the number of indices; one scatter-add along the middle."""
+    shape = n.b.shape_of(x)
+    after = n.b.ints([axis + 1 if axis != -1 else _INT64_MAX])
+    lead = n.b.reduce("ReduceProd", n.op.Slice(shape, n.b.ints([0]), n.b.ints([axis])), None)
+    tail = n.b.reduce("ReduceProd", n.op.Slice(shape, after, n.b.ints([_INT64_MAX])), None)
+    d = n.op.Slice(shape, n.b.ints([axis]), after)
+    flat = n.op.Reshape(idx, n.b.ints([-1]))
+    n.b.infos[flat.name] = TensorInfo(idx.dtype, (None,))
+    flat = _nonneg(n, flat, d)
+    upd = n.op.Reshape(n.dy, n.op.Concat(lead, n.b.ints([-1]), tail, axis=0))
+    g = _index_add(n, [lead, d, tail], 1, flat, upd, x, accumulate=not _distinct(n, flat))
+    return n.op.Reshape(g, shape)
 
 
 @register("GatherElements")

@@ -1,0 +1,133 @@
+"""Models with external data, and models over protobuf's 2 GB limit.
+
+The small tests save a model with its tensors in a file beside it and run every step a big model
+takes: load (checked by path), differentiate, save with data beside it, run in onnxruntime by path,
+one TrainingSession step and an export. With ``ONNXGRAD_BIG_TESTS=1`` a generated model with a
+2.2 GB weight takes the same path for real (needs about 12 GB of memory and 7 GB of disk).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxgrad
+from onnxgrad import files, model as M, optim
+from onnxgrad.check import check
+
+F = TensorProto.FLOAT
+
+
+def matmul_loss_model(rows: int, cols: int, weight: np.ndarray | None = None) -> onnx.ModelProto:
+    """loss = sum((x @ W + b) ** 2) with W [rows, cols]."""
+    rng = np.random.default_rng(0)
+    w = weight if weight is not None else (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+    b = (rng.standard_normal(cols) * 0.1).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"]),
+             helper.make_node("Mul", ["y", "y"], ["sq"]), helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "big", [helper.make_tensor_value_info("x", F, ["N", rows])],
+                          [helper.make_tensor_value_info("loss", F, [])])
+    for value, name in ((w, "W"), (b, "b")):        # add + CopyFrom: extend serialises, refused over 2 GB
+        g.initializer.add().CopyFrom(numpy_helper.from_array(value, name))
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def save_external(m: onnx.ModelProto, path: str) -> None:
+    """Saved with every tensor in ``<path>.data`` (m itself left as it is: onnx converts in place)."""
+    copy = onnx.ModelProto()
+    copy.CopyFrom(m)
+    onnx.save_model(copy, path, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=os.path.basename(path) + ".data", size_threshold=0)
+
+
+def _round_trip(tmp_path, feeds):
+    src = str(tmp_path / "in" / "model.onnx")
+    os.makedirs(os.path.dirname(src))
+    m = matmul_loss_model(24, 16)
+    save_external(m, src)
+    gm = onnxgrad.grad(src, loss="loss")
+    assert gm.graph.output[-1].name == "b_grad"
+    r = check(m, gm, feeds)
+    assert r.ok(2e-3), r.errors
+    out = str(tmp_path / "out" / "model.grad.onnx")
+    files.save_model(gm, out)
+    return m, gm, out
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["external-data", "over-the-limit"])
+def test_external_data_model_differentiates_saves_and_runs(tmp_path, monkeypatch, big):
+    if big:
+        monkeypatch.setattr(files, "PROTOBUF_LIMIT", 1000)
+    feeds = {"x": np.random.default_rng(1).standard_normal((3, 24)).astype(np.float32)}
+    m, gm, out = _round_trip(tmp_path, feeds)
+    beside = os.path.exists(out + ".data")
+    assert beside == big
+    if big:     # the model file holds no weights: they are read from the data file
+        assert os.path.getsize(out + ".data") >= 24 * 16 * 4
+        stored = onnx.load(out, load_external_data=False)
+        assert {t.name for t in stored.graph.initializer
+                if t.data_location == TensorProto.EXTERNAL} >= {"W"}
+    sess = ort.InferenceSession(out, providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    want = dict(zip([o.name for o in gm.graph.output],
+                    ort.InferenceSession(gm.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)))
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6)
+    # the written gradient model loads back through onnxgrad (checked by path) and differentiates again
+    assert onnxgrad.grad(out, wrt=["x"], of=["W_grad"], allow_unused=True).graph.output[-1].name == "x_grad"
+
+
+@pytest.mark.parametrize("big", [False, True], ids=["external-data", "over-the-limit"])
+def test_training_session_on_an_external_data_model(tmp_path, monkeypatch, big):
+    if big:
+        monkeypatch.setattr(files, "PROTOBUF_LIMIT", 1000)
+    src = str(tmp_path / "model.onnx")
+    m = matmul_loss_model(24, 16)
+    save_external(m, src)
+    s = onnxgrad.TrainingSession(src, loss="loss", optimizer=optim.SGD(lr=0.01), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(2).standard_normal((3, 24)).astype(np.float32)
+    first = s.step({"x": x})
+    w0 = numpy_helper.to_array(m.graph.initializer[0])
+    grads = onnxgrad.check.Runner(onnxgrad.grad(m, loss="loss"))({"x": x})
+    np.testing.assert_allclose(s.parameters()["W"], w0 - 0.01 * grads["W_grad"], rtol=1e-4, atol=1e-6)
+    assert s.step({"x": x}) < first
+    out = str(tmp_path / "trained.onnx")
+    s.export(out)
+    assert os.path.exists(out + ".data") == big
+    sess = ort.InferenceSession(out, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], s.eval({"x": x})["loss"], rtol=1e-5)
+
+
+def test_a_missing_data_file_is_a_clear_error(tmp_path):
+    src = str(tmp_path / "model.onnx")
+    save_external(matmul_loss_model(4, 3), src)
+    os.remove(src + ".data")
+    with pytest.raises(onnxgrad.InvalidModelError, match="cannot read model"):
+        onnxgrad.grad(src, loss="loss")
+
+
+@pytest.mark.skipif(os.environ.get("ONNXGRAD_BIG_TESTS") != "1", reason="set ONNXGRAD_BIG_TESTS=1 (12 GB RAM)")
+def test_a_model_over_2_gb(tmp_path):
+    """A single MatMul with a [23000, 24000] float32 weight (2.2 GB): gradient, saved, run by path."""
+    rows, cols = 23000, 24000
+    w = np.empty((rows, cols), np.float32)
+    w[:] = 0.001
+    src = str(tmp_path / "big.onnx")
+    save_external(matmul_loss_model(rows, cols, w), src)
+    del w
+    gm = onnxgrad.grad(src, loss="loss")
+    out = str(tmp_path / "big.grad.onnx")
+    files.save_model(gm, out)
+    del gm
+    assert os.path.getsize(out + ".data") > 2_000_000_000
+    x = np.ones((2, rows), np.float32)
+    sess = ort.InferenceSession(out, providers=["CPUExecutionProvider"])
+    b_grad, = sess.run(["b_grad"], {"x": x})
+    y = rows * 0.001 + (np.random.default_rng(0).standard_normal(cols) * 0.1).astype(np.float32)   # b as built
+    np.testing.assert_allclose(b_grad, 2 * 2 * y, rtol=1e-3)
