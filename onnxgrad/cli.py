@@ -408,6 +408,16 @@ def run_jvp(argv: Sequence[str]) -> int:
 COMMANDS = {"ops": run_ops, "lower": run_lower, "params": run_params, "jvp": run_jvp}
 
 
+# the losses' messages name their Python arguments; on the command line they are flags
+_FLAG_OF = {"target=": "--target", "output=": "--predictions"}
+
+
+def _as_flags(message: str) -> str:
+    for argument, flag in _FLAG_OF.items():
+        message = message.replace(f"with {argument}", f"with {flag}")
+    return message
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
@@ -415,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return COMMANDS[argv[0]](argv[1:])
         return run_grad(_grad_parser().parse_args(argv))
     except OnnxGradError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_as_flags(str(e))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

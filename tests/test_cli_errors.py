@@ -136,3 +136,15 @@ def test_check_samples_big_models(tmp_path):
     assert done[-1][0] == done[-1][1]
     out = cli(path, "-o", tmp_path / "g.onnx", "--check", "--check-sample", "2")
     assert out.returncode == 0 and "checked together" in out.stdout and out.stderr == ""
+
+
+def test_loss_errors_name_the_command_line_flags(tmp_path, capsys):
+    from pathlib import Path
+
+    """The shipped models' output is 'y': a --target y collides, and the hint names --target, not target=."""
+    model = tmp_path / "m.onnx"
+    model.write_bytes((Path(__file__).resolve().parents[1] / "models" / "mlp_dynamo.onnx").read_bytes())
+    assert CLI.main([str(model), "--loss-fn", "mse", "--target", "y"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "choose another with --target" in err and "target=" not in err
+    assert not (tmp_path / "m.grad.onnx").exists()
