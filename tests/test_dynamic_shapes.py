@@ -134,3 +134,81 @@ def test_pad_on_an_operand_of_unknown_rank(mode, opset):
     pads = numpy_helper.from_array(np.array([1, 0, 1, 1, 1, 2], np.int64), "p")
     m = _unknown_rank(helper.make_node("Pad", ["x", "p"], ["y"], mode=mode), [pads], 3, opset)
     verify(m, FEEDS_RANK3, ["x"], ["y"])
+
+
+def _hidden_rank(node, shape, out_rank, inits=(), fed=None, opset=17):
+    """x of ``shape`` reshaped to a shape fed at run time (its rank unknown to the pass), then node -> y;
+    ``fed``: an int64 array for the node's second input, fed flat and reshaped the same way (its rank
+    unknown too). Returns the model and its feeds."""
+    x = helper.make_tensor_value_info("x", F, list(shape))
+    inputs = [x, helper.make_tensor_value_info("s", I64, ["k"])]
+    y = helper.make_tensor_value_info("y", F, [f"y{i}" for i in range(out_rank)])
+    nodes = [helper.make_node("Reshape", ["x", "s"], ["r"])]
+    node.input[0] = "r"
+    feeds = {"x": RNG.standard_normal(shape).astype(np.float32), "s": np.array(shape, np.int64)}
+    if fed is not None:
+        fed = np.array(fed, np.int64)
+        inputs += [helper.make_tensor_value_info("flat", I64, ["n"]), helper.make_tensor_value_info("fs", I64, ["q"])]
+        nodes.append(helper.make_node("Reshape", ["flat", "fs"], [node.input[1]]))
+        feeds.update(flat=fed.reshape(-1), fs=np.array(fed.shape, np.int64))
+    return model(nodes + [node], inputs, [y], list(inits), opset), feeds
+
+
+@pytest.mark.parametrize("axis,opset,fed", [(0, 17, False), (-1, 17, True), (1, 13, False), (-2, 13, True),
+                                            (2, 13, True)])
+def test_gather_elements_on_operands_of_unknown_rank(axis, opset, fed):
+    """x's rank unknown; idx a constant (its rank is x's) or fed with no rank: a ScatterElements-add from
+    opset 16, a one-hot contraction over [A, K, B] views before."""
+    idx = RNG.integers(-2, 2, size=(2, 2, 3)).astype(np.int64)
+    node = helper.make_node("GatherElements", ["x", "i"], ["y"], axis=axis)
+    if fed:
+        m, feeds = _hidden_rank(node, (2, 3, 4), 3, fed=idx, opset=opset)
+    else:
+        m, feeds = _hidden_rank(node, (2, 3, 4), 3, [numpy_helper.from_array(idx, "i")], opset=opset)
+    verify(m, feeds, ["x"], ["y"])
+
+
+@pytest.mark.parametrize("reps,fed,opset", [([2, 1, 3], False, 17), ([1, 2, 2], True, 17), ([2, 2, 1], True, 13)])
+def test_tile_on_an_operand_of_unknown_rank(reps, fed, opset):
+    """The rank from len(reps) when they are constant, else the summed axes made at run time."""
+    inits = [] if fed else [numpy_helper.from_array(np.array(reps, np.int64), "t")]
+    m, feeds = _hidden_rank(helper.make_node("Tile", ["x", "t"], ["y"]), (2, 3, 2), 3, inits,
+                            reps if fed else None, opset)
+    verify(m, feeds, ["x"], ["y"])
+
+
+@pytest.mark.parametrize("idx,bd,opset", [([[0, 1], [1, -1], [0, 1]], 0, 17), ([[0, 1], [1, -1], [0, 1]], 0, 13),
+                                          ([[[1], [0]], [[-1], [2]]], 1, 17), ([[[1, 0], [0, -2]], [[1, 3], [1, 3]]], 1, 13),
+                                          ([[1, 2, 3], [-1, 0, 0]], 0, 16)])
+def test_gather_nd_with_unknown_depth_and_rank(idx, bd, opset):
+    """The indices fed with no shape (depth k unknown) and x's rank unknown: strides at run time, one
+    row scatter-add (a one-hot MatMul before opset 16)."""
+    idx = np.array(idx, np.int64)
+    out_rank = idx.ndim - 1 + 3 - idx.shape[-1] - bd          # idx.shape[:-1] + x.shape[bd + k:]
+    m, feeds = _hidden_rank(helper.make_node("GatherND", ["x", "i"], ["y"], batch_dims=bd), (2, 3, 4), out_rank,
+                            fed=idx, opset=opset)
+    verify(m, feeds, ["x"], ["y"])
+
+
+@pytest.mark.parametrize("shape,training,opset", [((2, 3, 4), 0, 17), ((2, 3, 2, 2), 1, 17), ((5, 3), 1, 14),
+                                                  ((2, 3, 4), 0, 9), ((2, 3, 4), 1, 9)])
+def test_batch_normalization_of_unknown_rank(shape, training, opset):
+    """Statistics over every axis but 1 of an [N, C, L] view: inference and training mode alike."""
+    c = shape[1]
+    inits = [numpy_helper.from_array(v.astype(np.float32), k) for k, v in
+             (("scale", 1 + 0.3 * RNG.standard_normal(c)), ("B", RNG.standard_normal(c)),
+              ("mean", RNG.standard_normal(c)), ("var", RNG.uniform(0.5, 1.5, c)))]
+    outs = ["y"] if not training else ["y", "rm", "rv"] if opset >= 14 else ["y", "rm", "rv", "sm", "sv"]
+    attrs = dict(training_mode=training) if opset >= 14 else {}
+    node = helper.make_node("BatchNormalization", ["x", "scale", "B", "mean", "var"], outs, **attrs)
+    m, feeds = _hidden_rank(node, shape, len(shape), inits, opset=opset)
+    verify(m, feeds, ["x", "scale", "B"] if training else ["x", "scale", "B", "mean", "var"], ["y"])
+
+
+@pytest.mark.parametrize("shape", [(3, 3), (2, 3, 3), (2, 1, 2, 2)])
+def test_det_of_unknown_rank(shape):
+    """Batch dims, their number and M all known only at run time."""
+    node = helper.make_node("Det", ["x"], ["y"])
+    m, feeds = _hidden_rank(node, shape, len(shape) - 2)
+    feeds["x"] = feeds["x"] + 2 * np.eye(shape[-1], dtype=np.float32)
+    verify(m, feeds, ["x"], ["y"])

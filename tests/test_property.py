@@ -25,9 +25,10 @@ F = TensorProto.FLOAT
 class _Graph:
     """A random graph under construction: tensors with concrete shapes, nodes, initializers."""
 
-    def __init__(self, rng: np.random.Generator, opset: int):
-        self.rng, self.opset = rng, opset
+    def __init__(self, rng: np.random.Generator, opset: int, symbolic: bool = False):
+        self.rng, self.opset, self.symbolic = rng, opset, symbolic
         self.nodes, self.inits, self.shapes, self.k = [], [], {}, 0
+        self.rank_unknown: set[str] = set()
 
     def name(self, base: str) -> str:
         self.k += 1
@@ -44,6 +45,21 @@ class _Graph:
         self.shapes[out] = tuple(shape)
         return out
 
+    def hide_rank(self, x: str) -> str:
+        """x reshaped to Shape(x)[0:Size(Shape(x))]: the same tensor, its rank unknown to onnx's inference."""
+        shape, rank, sliced = self.name("shape"), self.name("rank"), self.name("sliced")
+        self.nodes += [helper.make_node("Shape", [x], [shape], name=self.name("Shape")),
+                       helper.make_node("Shape", [shape], [rank], name=self.name("Shape")),
+                       helper.make_node("Slice", [shape, self.const(np.array([0], np.int64)), rank], [sliced],
+                                        name=self.name("Slice"))]
+        hidden = self.add("Reshape", [x, sliced], self.shapes[x])
+        self.rank_unknown.add(hidden)
+        return hidden
+
+    def restore_rank(self, y: str) -> str:
+        """Reshape(y, [0] * rank): the rank known again, the dims as they are."""
+        return self.add("Reshape", [y, self.const(np.zeros(len(self.shapes[y]), np.int64))], self.shapes[y])
+
 
 def _step(g: _Graph, x: str, pool: list[str]) -> tuple[str, str]:
     """One random op applied to x; returns (output, op description)."""
@@ -51,7 +67,7 @@ def _step(g: _Graph, x: str, pool: list[str]) -> tuple[str, str]:
     r = len(s)
     op = rng.choice(["Tanh", "Sigmoid", "Sin", "Mul", "Add", "MatMul", "Transpose", "Reshape", "Concat", "Slice",
                      "Gather", "Pad", "ReduceSum", "ReduceMean", "Unsqueeze", "Softmax", "LayerNormalization",
-                     "Expand", "Tile", "Split", "GatherElements", "Where"])
+                     "Expand", "Tile", "Split", "GatherElements", "Where", "GatherND", "AveragePool"])
     if r == 0 or min(s) == 0:
         return g.add("Tanh", [x], s), "Tanh"
     ax = int(rng.integers(-r, r))
@@ -128,9 +144,6 @@ def _step(g: _Graph, x: str, pool: list[str]) -> tuple[str, str]:
     if op == "Expand" and r < 4:
         shape = (2,) + s
         return g.add("Expand", [x, g.const(np.array(shape, np.int64))], shape), "Expand"
-    if op == "Tile":
-        reps = [int(rng.integers(1, 3)) for _ in s]
-        return g.add("Tile", [x, g.const(np.array(reps, np.int64))], tuple(d * t for d, t in zip(s, reps))), "Tile"
     if op == "Split" and s[a] >= 2:
         first = int(rng.integers(1, s[a]))
         outs = [g.name("split"), g.name("split")]
@@ -140,20 +153,61 @@ def _step(g: _Graph, x: str, pool: list[str]) -> tuple[str, str]:
         g.shapes[outs[1]] = tuple(s[a] - first if i == a else d for i, d in enumerate(s))
         pool.append(outs[0])
         return outs[1], "Split"
-    if op == "GatherElements":
-        idx = rng.integers(-s[a], s[a], size=s).astype(np.int64)
-        return g.add("GatherElements", [x, g.const(idx)], s, axis=ax), "GatherElements"
     if op == "Where":
         cond = g.const(rng.random(s) < 0.5)
         return g.add("Where", [cond, x, g.const(np.float32(0.5))], s), "Where"
+    hide = g.symbolic and op in ("Tile", "GatherElements", "GatherND") and rng.random() < 0.4
+    if hide:      # the op on an operand of unknown rank, the rank restored after it
+        y, what = _step_on(g, g.hide_rank(x), op, s, a, ax)
+        g.rank_unknown.add(y)
+        return g.restore_rank(y), f"{what}(rank unknown)"
+    if op in ("Tile", "GatherElements", "GatherND"):
+        return _step_on(g, x, op, s, a, ax)
+    if op == "AveragePool" and r == 3:      # 1-D pooling of [N, C, L], partial windows included
+        k, st = int(rng.integers(1, 4)), int(rng.integers(1, 3))
+        attrs = dict(kernel_shape=[k], strides=[st], count_include_pad=int(rng.integers(0, 2)))
+        kind = rng.choice(["pads", "ceil", "same"])
+        if kind == "same":      # (k >= stride: onnxruntime's AveragePool refuses the negative pads otherwise)
+            attrs["kernel_shape"] = [max(k, st)]
+            attrs["auto_pad"] = str(rng.choice(["SAME_UPPER", "SAME_LOWER"]))
+            out = -(-s[2] // st)
+        else:
+            pb, pe = min(int(rng.integers(0, 2)), k - 1), min(int(rng.integers(0, 2)), k - 1)
+            attrs["pads"] = [pb, pe]
+            num = s[2] + pb + pe - k
+            out = num // st + 1
+            # ceil_mode where its last window starts inside x (past it, onnx's shape inference keeps
+            # the window that onnxruntime drops)
+            if kind == "ceil" and (-(-num // st)) * st < s[2] + pb:
+                attrs["ceil_mode"] = 1
+                out = -(-num // st) + 1
+        if out < 1 or s[2] + sum(attrs.get("pads", [0, 0])) < k:
+            return g.add("Tanh", [x], s), "Tanh"
+        return g.add("AveragePool", [x], (s[0], s[1], out), **attrs), f"AveragePool({kind})"
     return g.add("Tanh", [x], s), "Tanh"
+
+
+def _step_on(g: _Graph, x: str, op: str, s: tuple, a: int, ax: int) -> tuple[str, str]:
+    """Tile, GatherElements or GatherND of x (shaped s; a = ax mod rank)."""
+    rng, r = g.rng, len(s)
+    if op == "Tile":
+        reps = [int(rng.integers(1, 3)) for _ in s]
+        return g.add("Tile", [x, g.const(np.array(reps, np.int64))], tuple(d * t for d, t in zip(s, reps))), "Tile"
+    if op == "GatherElements":
+        idx = rng.integers(-s[a], s[a], size=s).astype(np.int64)
+        return g.add("GatherElements", [x, g.const(idx)], s, axis=ax), "GatherElements"
+    bd = int(rng.integers(0, min(2, r)))           # GatherND: batch dims, then k indexed dims
+    k = int(rng.integers(1, r - bd + 1))
+    rows = int(rng.integers(1, 4))
+    idx = np.stack([rng.integers(-d, d, size=s[:bd] + (rows,)) for d in s[bd:bd + k]], axis=-1).astype(np.int64)
+    return g.add("GatherND", [x, g.const(idx)], s[:bd] + (rows,) + s[bd + k:], batch_dims=bd), f"GatherND(bd={bd})"
 
 
 def random_case(seed: int, symbolic: bool) -> tuple[onnx.ModelProto, dict, list[str], list[str]]:
     """A random model, its feeds, the tensors to differentiate and the op sequence."""
     rng = np.random.default_rng(seed)
     opset = int(rng.choice([13, 17, 18]))
-    g = _Graph(rng, opset)
+    g = _Graph(rng, opset, symbolic)
     r = int(rng.integers(1, 4))
     shape = tuple(int(d) for d in rng.integers(2, 5, size=r))
     g.shapes["x"] = shape
@@ -172,8 +226,9 @@ def random_case(seed: int, symbolic: bool) -> tuple[onnx.ModelProto, dict, list[
     m.ir_version = 8
     del names
     wrt = ["x"] + [t.name for t in g.inits if t.data_type == F and rng.random() < 0.5]
-    if len(g.nodes) > 2 and rng.random() < 0.3:      # an intermediate tensor too
-        wrt.append(g.nodes[0].output[0])
+    if len(g.nodes) > 2 and rng.random() < 0.3:      # an intermediate tensor too (the first float one)
+        # (not one of unknown rank: its gradient output would have no shape, which the checker rejects)
+        wrt.append(next(o for node in g.nodes for o in node.output if o in g.shapes and o not in g.rank_unknown))
     feeds = {"x": rng.standard_normal(shape).astype(np.float32)}
     return m, feeds, list(dict.fromkeys(wrt)), ops
 

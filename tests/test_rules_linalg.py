@@ -91,6 +91,14 @@ DET = [
     Case("Det", [_well_conditioned(2, 2, 2, 2)], id="batch2-2x2"),
     Case("Det", [_well_conditioned(2, 3, 3)], opset=22, id="opset22"),
     Case("Det", [np.array([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.5, -1.0, 2.0]], np.float32)], id="singular"),
+    # M unknown when the gradient is built: the minors' indices made at run time
+    Case("Det", [randn(1, 1)], unknown_shapes=True, id="dyn-1x1"),
+    Case("Det", [_well_conditioned(2, 2)], unknown_shapes=True, id="dyn-2x2"),
+    Case("Det", [_well_conditioned(3, 3)], unknown_shapes=True, id="dyn-3x3"),
+    Case("Det", [_well_conditioned(2, 4, 4)], unknown_shapes=True, id="dyn-batch-4x4"),
+    Case("Det", [_well_conditioned(2, 2, 3, 3)], unknown_shapes=True, opset=22, id="dyn-batch2-opset22"),
+    Case("Det", [np.array([[1.0, 2.0, 3.0], [2.0, 4.0, 6.0], [0.5, -1.0, 2.0]], np.float32)], unknown_shapes=True,
+         id="dyn-singular"),
 ]
 
 # Cases whose forward model needs a hand-declared output or input shape (see _run_declared).
@@ -133,11 +141,6 @@ def test_gemm_gradients_are_gemms():
     assert sorted(ops) == ["Gemm", "Gemm"]
 
 
-def test_det_needs_static_size():
-    with pytest.raises(onnxgrad.errors.UnsupportedOpError, match="matrix size"):
-        run_case(Case("Det", [_well_conditioned(3, 3)], unknown_shapes=True))
-
-
 @pytest.mark.parametrize("case,shapes", DECLARED, ids=[str(c) for c, _ in DECLARED])
 def test_declared_shapes(case, shapes):
     run_declared(case, shapes)
@@ -153,6 +156,7 @@ SECOND_ORDER = [
     Case("Einsum", [randn(1, 3, 4), randn(2, 4, 5)], attrs=dict(equation="...ij,...jk->...ik"),
          id="einsum-bcast"),
     Case("Det", [_well_conditioned(3, 3)], id="det"),
+    Case("Det", [_well_conditioned(2, 3, 3)], unknown_shapes=True, id="det-dynamic"),
 ]
 
 

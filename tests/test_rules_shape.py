@@ -112,6 +112,8 @@ GATHER = [
          attrs={"axis": -2}, opset=13, id="smaller-opset13"),
     Case("GatherElements", [randn(3, 4), i64(3, -1, 0, 0, 1, 2).reshape(2, 3)], attrs={"axis": 1},
          dynamic=[1], unknown_shapes=True, opset=15, id="unknown-opset15"),
+    Case("GatherElements", [randn(3, 4, 2), i64(3, -1, 0, 3, 3, 2, 1, 1, 1, 0, 2, -4).reshape(2, 3, 2)],
+         attrs={"axis": -2}, dynamic=[1], unknown_shapes=True, id="unknown-smaller"),
     Case("GatherND", [randn(3, 4), i64(0, 1, 2, 3, 0, 1).reshape(3, 2)], id="elements-repeats"),
     Case("GatherND", [randn(3, 4), i64(0, 1, 2, 3, 0, 1).reshape(3, 2)], opset=13, id="elements-opset13"),
     Case("GatherND", [randn(3, 4, 2), i64(-1, 0, -1).reshape(3, 1)], id="rows-negative"),
@@ -126,6 +128,15 @@ GATHER = [
     Case("GatherND", [randn(2, 3, 4, 2), i64(1, -3, 2, 0, 1, 1, 1, 1).reshape(2, 2, 2)], attrs={"batch_dims": 1},
          unknown_shapes=True, opset=13, id="batch-dims-unknown-opset13"),
     Case("GatherND", [randn(3, 4), i64(2, 3, 2, 3).reshape(2, 2)], dynamic=[1], opset=13, id="dynamic-opset13"),
+    # the index depth (indices' last dim) unknown: row strides computed at run time
+    Case("GatherND", [randn(3, 4), i64(0, 1, 2, 3, 0, 1).reshape(3, 2)], dynamic=[1], unknown_shapes=True,
+         id="unknown-depth"),
+    Case("GatherND", [randn(3, 4, 2), i64(2, -1, 2, 0).reshape(2, 2, 1)], dynamic=[1], unknown_shapes=True,
+         opset=13, id="unknown-depth-opset13"),
+    Case("GatherND", [randn(2, 3, 4), i64(0, -1, 2, 2, 1, 1, 0, 3).reshape(2, 2, 2)], attrs={"batch_dims": 1},
+         dynamic=[1], unknown_shapes=True, id="unknown-depth-batch-dims"),
+    Case("GatherND", [randn(2, 2, 4, 3), i64(1, -3, 2, 0, 1, 1, 1, 1).reshape(2, 2, 2)], attrs={"batch_dims": 2},
+         dynamic=[1], unknown_shapes=True, opset=13, id="unknown-depth-batch-dims2-opset13"),
     Case("Compress", [randn(3, 4), np.array([True, False, True])], attrs={"axis": 0}, id="axis0"),
     Case("Compress", [randn(3, 4), np.array([False, True, True])], attrs={"axis": -1}, id="axis-neg-short"),
     Case("Compress", [randn(3, 4), np.array([True, False, True, True, False, True])], id="flattened"),
@@ -144,6 +155,8 @@ EXPAND_TILE = [
     Case("Tile", [randn(2, 3), i64(1, 1)], id="identity"),
     Case("Tile", [randn(2, 3), i64(3, 2)], dynamic=[1], id="dynamic-repeats"),
     Case("Tile", [randn(2, 3), i64(2, 1)], unknown_shapes=True, id="unknown"),
+    Case("Tile", [randn(2, 3, 2), i64(2, 1, 3)], dynamic=[1], unknown_shapes=True, opset=13,
+         id="unknown-dynamic-repeats"),
 ]
 
 PAD = [

@@ -11,7 +11,7 @@ import string
 from typing import Sequence
 
 import numpy as np
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from ..builder import Var
 from ..registry import Node, register
@@ -297,15 +297,16 @@ def det(n: Node):
 
     The cofactor matrix is exact for singular X too and needs no inverse (ai.onnx
     has none): the M*M minors are gathered at once and go through one Det.
-    Limits: M must be known when the gradient is built; the gathered minors hold
-    M^2 (M-1)^2 elements per matrix, so this is meant for small matrices.
+    M unknown when the gradient is built: the same minors, indexed at run time
+    (:func:`_cofactors_dynamic`). The gathered minors hold M^2 (M-1)^2 elements per
+    matrix, so this is meant for small matrices.
     """
     (x,) = n.inputs
     r = x.rank
-    if r is None or x.shape[-1] is None or x.shape[-2] not in (None, x.shape[-1]):
-        n.unsupported("Det gradient needs the matrix size M known when the gradient is built")
-    m = x.shape[-1]
     dy = n.b.unsqueeze(n.dy, [-2, -1])                            # [..., 1, 1]
+    if r is None or x.shape[-1] is None and x.shape[-2] is None:
+        return (dy * _cofactors_dynamic(n, x),)
+    m = x.shape[-1] if x.shape[-1] is not None else x.shape[-2]
     if m == 1:                                                    # det([[a]]) = a
         return (dy,)
     flat = n.op.Reshape(x, n.b.ints([0] * (r - 2) + [m * m]))    # [..., M*M]
@@ -320,3 +321,27 @@ def det(n: Node):
         minor = n.op.Det(n.op.Gather(flat, n.b.const(minors), axis=r - 2))
     sign = (-1.0) ** np.add.outer(np.arange(m), np.arange(m))
     return (dy * (minor * n.b.const_like(sign, x)),)
+
+
+def _cofactors_dynamic(n: Node, x: Var) -> Var:
+    """cof(X) for M (and the batch dims) known only at run time, [..., M, M]: minor (i, j) keeps rows
+    a + (a >= i) and columns c + (c >= j) for a, c < M - 1, gathered from X flattened to [..., M*M]
+    and put through one Det; the signs (-1)^(i+j) from the parity of i + j. M = 1 is not special:
+    the minors are 0 x 0 and their Det is 1."""
+    b = n.b
+    shape = b.shape_of(x)
+    m = n.op.Slice(shape, b.ints([-1]), b.ints([np.iinfo(np.int64).max]))           # [M]
+    zero, one = b.const(np.array(0, np.int64)), b.const(np.array(1, np.int64))
+    size = b.squeeze(m, [0])
+    full = n.op.Range(zero, size, one)                                              # i, j < M
+    part = n.op.Range(zero, n.op.Sub(size, one), one)                               # a, c < M - 1
+    keep = n.op.Add(b.unsqueeze(part, [0]),                                          # [M, M-1]: a + (a >= i)
+                    n.op.Cast(n.op.GreaterOrEqual(b.unsqueeze(part, [0]), b.unsqueeze(full, [1])),
+                              to=TensorProto.INT64))
+    rows = n.op.Mul(b.unsqueeze(keep, [1, 3]), m)                                   # [M, 1, M-1, 1]
+    cols = b.unsqueeze(keep, [0, 2])                                                # [1, M, 1, M-1]
+    flat = n.op.Reshape(x, n.op.Concat(n.op.Slice(shape, b.ints([0]), b.ints([-2])), n.op.Mul(m, m), axis=0))
+    minor = n.op.Det(n.op.Gather(flat, n.op.Add(rows, cols), axis=-1))            # [..., M, M]
+    parity = n.op.Mod(n.op.Add(b.unsqueeze(full, [1]), b.unsqueeze(full, [0])), b.const(np.array(2, np.int64)))
+    sign = b.cast_like(n.op.Sub(one, n.op.Mul(parity, b.const(np.array(2, np.int64)))), x)
+    return minor * sign

@@ -14,8 +14,9 @@ padding, AveragePool with ``ceil_mode`` plus ``auto_pad`` or dilations) the
 tests keep to configurations where the two agree.
 
 Unknown spatial dims: the input gradient is a ConvTranspose with the largest
-``output_padding`` cropped to the input's run-time shape by a Slice, and
-``auto_pad=SAME_*`` pads are computed in the graph from ``Shape``.
+``output_padding`` cropped to the input's run-time shape by a Slice,
+``auto_pad=SAME_*`` pads are computed in the graph from ``Shape``, and AveragePool's
+divisors for partial windows are counted in the graph by a ones-kernel Conv.
 """
 from __future__ import annotations
 
@@ -96,8 +97,9 @@ def _kernel(n, w: Var | None = None) -> list[int]:
 def _geometry(n, x: Var, kernel: list[int], ceil_mode: int = 0) -> _Geo:
     """Pads and output sizes of Conv and the pools, as onnxruntime computes them.
 
-    ``auto_pad=SAME_*``: total pad ``(ceil(D/s) - 1)*s + k - D`` (the undilated kernel),
-    the odd unit at the end (UPPER) or the beginning (LOWER).
+    ``auto_pad=SAME_*``: total pad ``max(0, (ceil(D/s) - 1)*s + k - D)`` (the undilated kernel),
+    the odd unit at the end (UPPER) or the beginning (LOWER). onnxruntime clamps the total at 0
+    where a stride larger than the kernel makes it negative (onnx.reference floors a negative half).
     """
     rank = len(kernel)
     strides = list(n.attr("strides") or [1] * rank)
@@ -108,20 +110,16 @@ def _geometry(n, x: Var, kernel: list[int], ceil_mode: int = 0) -> _Geo:
     end: list[int] | None
     if auto_pad in _SAME:
         if None not in dims:
-            needed = [((d + s - 1) // s - 1) * s + k - d for d, s, k in zip(dims, strides, kernel)]
+            needed = [max(0, ((d + s - 1) // s - 1) * s + k - d) for d, s, k in zip(dims, strides, kernel)]
         elif all(s == 1 for s in strides):
             needed = [k - 1 for k in kernel]
         else:
-            if any(k < s for k, s in zip(kernel, strides)):
-                n.unsupported("auto_pad SAME with a stride larger than the kernel needs known spatial dims")
             needed = None
         if needed is None:
             begin = end = None
         else:
-            begin = [_trunc_div(t + 1 if auto_pad == "SAME_LOWER" else t, 2) for t in needed]
+            begin = [(t + 1) // 2 if auto_pad == "SAME_LOWER" else t // 2 for t in needed]
             end = [t - b for t, b in zip(needed, begin)]
-            if any(b < 0 for b in begin):
-                n.unsupported("auto_pad SAME here gives a negative leading pad (stride larger than the kernel)")
     elif auto_pad == "VALID":
         begin, end = [0] * rank, [0] * rank
     else:
@@ -143,12 +141,15 @@ def _geometry(n, x: Var, kernel: list[int], ceil_mode: int = 0) -> _Geo:
 
 
 def _same_pads(n, x: Var, geo: _Geo) -> tuple[Var, Var]:
-    """auto_pad SAME pads computed in the graph from x's run-time spatial shape."""
+    """auto_pad SAME pads computed in the graph from x's run-time spatial shape (clamped at 0 as in
+    :func:`_geometry`: a stride larger than the kernel can make the spec's total pad negative)."""
     b = n.b
     dims = b.shape_of(x, 2)
     strides = b.ints(geo.strides)
     outs = n.op.Div(dims + b.ints([s - 1 for s in geo.strides]), strides)          # ceil(D / s)
     needed = (outs - b.ints([1] * geo.rank)) * strides + b.ints(geo.kernel) - dims
+    if any(k < s for k, s in zip(geo.kernel, geo.strides)):
+        needed = n.op.Max(needed, b.ints([0] * geo.rank))
     if geo.auto_pad == "SAME_LOWER":
         needed_for_begin = needed + b.ints([1] * geo.rank)
     else:
@@ -469,10 +470,33 @@ def average_pool(n):
     elif geo.begin is not None and not n.attr("ceil_mode", 0) and (include_pad or not any(geo.begin + geo.end)):
         scale = 1.0 / float(np.prod(geo.kernel))      # every window is full whatever the size
     else:
-        n.unsupported("AveragePool with partial windows (pads without count_include_pad, ceil_mode or "
-                      "auto_pad SAME) needs known spatial dims")
+        return (_pool_window_transpose(n, n.dy / _window_counts_dynamic(n, x, geo, include_pad), x, geo),)
     g = n.dy * n.b.const_like(np.asarray(scale), x)
     return (_pool_window_transpose(n, g, x, geo),)
+
+
+def _window_counts_dynamic(n, x: Var, geo: _Geo, include_pad: bool) -> Var:
+    """:func:`_window_counts` at run time, [1, 1, *O]: a ones-kernel Conv over a grid that is 1 where a tap
+    counts (inside x, or inside its pads with count_include_pad) and 0 beyond, with s - 1 more zeros at
+    the end for ceil_mode's last window, cropped to y's spatial shape; empty windows count 1 (their
+    gradient lands nowhere in x)."""
+    b, rank = n.b, geo.rank
+    if geo.begin is not None:
+        begin, end = b.ints(geo.begin), b.ints(geo.end)
+    else:
+        begin, end = _same_pads(n, x, geo)
+    zeros, extra = b.ints([0, 0]), b.ints([s - 1 for s in geo.strides])
+    one = b.scalar(1.0, x)
+    grid = n.op.Expand(one, n.op.Concat(b.ints([1, 1]), b.shape_of(x, 2), axis=0))       # [1, 1, *D]
+    if include_pad:
+        grid = n.op.Pad(grid, n.op.Concat(zeros, begin, zeros, end, axis=0), one)
+        grid = n.op.Pad(grid, n.op.Concat(b.ints([0] * (rank + 2)), zeros, extra, axis=0))
+    else:
+        grid = n.op.Pad(grid, n.op.Concat(zeros, begin, zeros, end + extra, axis=0))
+    kernel = b.const_like(np.ones([1, 1, *geo.kernel]), x)
+    counts = n.op.Conv(grid, kernel, strides=geo.strides, dilations=geo.dilations)
+    counts = n.op.Slice(counts, b.ints([0] * rank), b.shape_of(n.outputs[0], 2), b.ints(geo.axes))
+    return n.op.Max(counts, one)
 
 
 @register("LpPool")

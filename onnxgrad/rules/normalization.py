@@ -109,7 +109,16 @@ def batch_normalization(n):
     dy = n.dy
     if dy is None:   # only the running statistics were reached: they carry no gradient
         return None
-    rank = _rank(n, x)
+    if x.rank is None:   # the rank only at run time: the same formulas on [N, C, L] views, dx shaped back
+        dx, *rest = _batch_norm_grads(n, n.op.Reshape(x, n.b.ints([0, 0, -1])),
+                                      n.op.Reshape(dy, n.b.ints([0, 0, -1])), 3)
+        return (None if dx is None else n.b.reshape_like(dx, x), *rest)
+    return _batch_norm_grads(n, x, dy, x.rank)
+
+
+def _batch_norm_grads(n: Node, x: Var, dy: Var, rank: int) -> tuple:
+    """BatchNormalization's five gradients for x and dy of rank ``rank`` (channels on axis 1)."""
+    scale, mean, var = n.inputs[1], n.inputs[3], n.inputs[4]
     eps = n.attr("epsilon", 1e-5)
     reduced = [0] + list(range(2, rank))
     if _batch_norm_training(n):

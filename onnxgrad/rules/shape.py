@@ -509,13 +509,17 @@ def expand(n: Node):
 def tile(n: Node):
     """y = tile(x, reps), y[.., r_i * d_i + j, ..] = x[.., j, ..]:  dx = sum over r of reshape(dy, [.., r_i, d_i, ..])"""
     x = n.inputs[0]
-    r = _rank(n, x)
     reps = n.const_ints(1)
-    dims = _dims(n, x)
+    r = x.rank if x.rank is not None else None if reps is None else len(reps)
     if reps is None:   # [r_0, d_0, r_1, d_1, ...] built in the graph; every r_i summed
-        pairs = n.op.Concat(n.b.unsqueeze(_int64(n, n.input(1)), [1]), n.b.unsqueeze(_vec(n, dims), [1]), axis=1)
+        shape = n.b.shape_of(x) if r is None else _vec(n, _dims(n, x))
+        pairs = n.op.Concat(n.b.unsqueeze(_int64(n, n.input(1)), [1]), n.b.unsqueeze(shape, [1]), axis=1)
         blocks = n.op.Reshape(n.dy, n.op.Reshape(pairs, n.b.ints([-1])))
+        if r is None:      # the rank only at run time: the even axes 0, 2, ..., 2r - 2
+            axes = n.op.Range(_scalar(n, 0), n.op.Size(pairs), _scalar(n, 2))
+            return n.b.sum(blocks, axes, keepdims=False), None
         return n.b.sum(blocks, list(range(0, 2 * r, 2)), keepdims=False), None
+    dims = [_dim(n, x, i) for i in range(r)]
     parts: list[Dim] = []
     summed = []
     for rep, d in zip(reps, dims):
@@ -655,7 +659,9 @@ def gather_elements(n: Node):
     smaller than x off the axis.
     """
     x, idx = n.inputs
-    r = _rank(n, x)
+    r = x.rank if x.rank is not None else idx.rank      # GatherElements' operands share their rank
+    if r is None:
+        return _gather_elements_grad_any_rank(n, x, idx, n.attr("axis", 0)), None
     axis = _axis(n, n.attr("axis", 0), r)
     if n.opset >= 16 or _writes_once(_value(n, idx), axis, x.shape):
         reduction = "add" if n.opset >= 16 else None
@@ -672,6 +678,30 @@ def gather_elements(n: Node):
     return g, None
 
 
+def _gather_elements_grad_any_rank(n: Node, x: Var, idx: Var, axis: int) -> Var:
+    """Ranks unknown: from opset 16 one ScatterElements (its axis may count from the end); before, idx and
+    dy seen as [A, K, B] (the dims before and after axis multiplied, from Shape(idx)), the one-hot
+    contraction dx3[a, i, b] = sum_j dy3[a, j, b] * (idx3[a, j, b] == i), reshaped and padded to x."""
+    if n.opset >= 16:
+        return n.op.ScatterElements(n.b.zeros_like(x), idx, n.dy, axis=axis, reduction="add")
+    b = n.b
+    shape = b.shape_of(idx)
+    after = b.ints([axis + 1 if axis != -1 else _INT64_MAX])
+    lead = b.reduce("ReduceProd", n.op.Slice(shape, b.ints([0]), b.ints([axis])), None)
+    tail = b.reduce("ReduceProd", n.op.Slice(shape, after, b.ints([_INT64_MAX])), None)
+    three = n.op.Concat(lead, b.ints([-1]), tail, axis=0)
+    d = n.op.Gather(b.shape_of(x), b.ints([axis]))
+    idx3 = n.op.Reshape(_int64(n, idx), three)
+    idx3 = n.op.Where(n.op.Less(idx3, _scalar(n, 0)), n.op.Add(idx3, d), idx3)
+    rows = n.op.Reshape(_range(n, d), b.ints([1, 1, -1, 1]))
+    hot = _onehot(n, b.unsqueeze(idx3, [2]), rows, x)                                 # [A, K, d, B]
+    g = b.sum(b.unsqueeze(n.op.Reshape(n.dy, three), [2]) * hot, [1], keepdims=False)  # [A, d, B]
+    g = n.op.Reshape(g, n.op.Concat(n.op.Slice(shape, b.ints([0]), b.ints([axis])), d,
+                                    n.op.Slice(shape, after, b.ints([_INT64_MAX])), axis=0))
+    grow = n.op.Sub(b.shape_of(x), b.shape_of(g))
+    return n.op.Pad(g, n.op.Concat(n.op.Mul(grow, b.ints([0])), grow, axis=0))
+
+
 @register("GatherND")
 def gather_nd(n: Node):
     """y[b.., q..] = x[b.., idx[b.., q..]]:  dx = zeros(x) with dy scatter-added at idx.
@@ -681,8 +711,8 @@ def gather_nd(n: Node):
     """
     x, idx = n.inputs
     bd = n.attr("batch_dims", 0)
-    if idx.shape is None or idx.shape[-1] is None:
-        n.unsupported("GatherND whose index depth (indices' last dim) is unknown when the gradient is built")
+    if idx.shape is None or idx.shape[-1] is None or x.rank is None:
+        return _gather_nd_grad_any_shape(n, x, idx, bd), None
     q, k = len(idx.shape), idx.shape[-1]
     dims = _dims(n, x)
     indexed = dims[bd:bd + k]
@@ -707,6 +737,43 @@ def gather_nd(n: Node):
         n.b.infos[rows.name] = TensorInfo(TensorProto.INT64, tuple(idx.shape[:-1]))
     table = [_prod(n, dims[:bd + k])] + dims[bd + k:]
     return n.op.Reshape(_index_add(n, table, 0, rows, n.dy, x, accumulate), _vec(n, dims)), None
+
+
+def _gather_nd_grad_any_shape(n: Node, x: Var, idx: Var, bd: int) -> Var:
+    """The index depth k or a rank unknown: x seen as rows [prod(S[:bd+k]), *S[bd+k:]] (S = Shape(x)), each
+    index tuple made a row number by strides computed at run time, stride_j = prod(S[bd+j+1:bd+k]) (a
+    ReduceProd over a masked [k, k] table), then one row scatter-add of dy and a Reshape to S."""
+    b = n.b
+    shape, ishape = b.shape_of(x), b.shape_of(idx)
+    k = n.op.Slice(ishape, b.ints([-1]), b.ints([_INT64_MAX]))                        # [k]
+    end = n.op.Add(k, b.ints([bd]))
+    indexed = n.op.Slice(shape, b.ints([bd]), end)                                     # S[bd:bd+k]
+    cols = _range(n, k)
+    later = n.op.Greater(b.unsqueeze(cols, [0]), b.unsqueeze(cols, [1]))               # [k, k]: column i after row j
+    table = n.op.Where(later, b.unsqueeze(indexed, [0]), b.ints([1]))
+    strides = b.reduce("ReduceProd", table, [1], keepdims=False)                       # [k]
+    idx = _int64(n, idx)
+    idx = n.op.Where(n.op.Less(idx, _scalar(n, 0)), n.op.Add(idx, indexed), idx)
+    rows = b.sum(n.op.Mul(idx, strides), [-1], keepdims=False)                         # idx.shape[:-1]
+    if bd:
+        batch = b.reduce("ReduceProd", n.op.Slice(shape, b.ints([0]), b.ints([bd])), None)   # [B]
+        ones = n.op.ConstantOfShape(n.op.Sub(n.op.Shape(ishape), b.ints([bd + 1])),
+                                    value=numpy_helper.from_array(np.ones(1, np.int64)))
+        grid = n.op.Reshape(_range(n, batch), n.op.Concat(n.op.Slice(ishape, b.ints([0]), b.ints([bd])), ones,
+                                                          axis=0))
+        rows = n.op.Add(rows, n.op.Mul(grid, b.reduce("ReduceProd", indexed, None)))
+    rows = n.op.Reshape(rows, b.ints([-1]))
+    n.b.infos[rows.name] = TensorInfo(TensorProto.INT64, (None,))
+    rest = n.op.Slice(shape, end, b.ints([_INT64_MAX]))                              # S[bd+k:]
+    count = b.reduce("ReduceProd", n.op.Slice(shape, b.ints([0]), end), None)         # [prod(S[:bd+k])]
+    upd = n.op.Reshape(n.dy, n.op.Concat(b.ints([-1]), rest, axis=0))                  # [R, *rest]
+    if n.opset >= 16:
+        zeros = _zeros(n, n.op.Concat(count, rest, axis=0), x)
+        g = n.op.ScatterND(zeros, b.unsqueeze(rows, [-1]), upd, reduction="add")
+    else:
+        flat = n.op.Reshape(upd, b.ints([0, -1]))                                     # [R, prod(rest)]
+        g = _index_add_onehot(n, [count, b.reduce("ReduceProd", rest, None)], 0, rows, flat, x)
+    return n.op.Reshape(g, shape)
 
 
 @register("Compress")
