@@ -41,6 +41,7 @@ from .autodiff import grad
 from .builder import Builder, NameScope, TensorInfo, Var
 from .check import gradient_spec
 from .errors import OnnxGradError, UnknownNameError
+from .files import copy_model
 from .optim import AdamW, Optimizer, UpdateContext
 from .params import ParameterReport, parameters, restore_ties
 from .train_mode import to_eval_mode, to_train_mode
@@ -245,8 +246,10 @@ class _Builder:
 
     # One model: the gradient model with parameters as inputs and update nodes appended.
     def _model(self, accumulate: bool) -> tuple[onnx.ModelProto, TrainingSpec]:
-        m = onnx.ModelProto()
-        m.CopyFrom(self.gm)
+        # parameters and running statistics become inputs; gradients stay inside
+        held = list(self.params) + list(self.running)
+        m = _as_inputs(self.gm, [(self.params, "trainable parameter (current value)"),
+                                 (list(self.running), "running statistic (current value)")], self.defaults)
         g = m.graph
         del m.metadata_props[:]
         m.metadata_props.extend(p for p in self.gm.metadata_props if not p.key.startswith("onnxgrad."))
@@ -259,11 +262,9 @@ class _Builder:
             infos[self.gradients[p]] = TensorInfo(self.dtypes[p], self.shapes[p])
         infos[self.loss] = TensorInfo(self.loss_dtype, ())
         b = Builder(M.opset_of(m), names, infos, prefix="train", doc="")
-        data_inputs = [i.name for i in g.input if i.name not in {x.name for x in g.initializer}]
+        data_inputs = [i.name for i in g.input if i.name not in {x.name for x in g.initializer} | set(held)]
 
-        # parameters become inputs; gradients stay inside; outputs: loss first
-        _turn_into_inputs(g, self.params, self.defaults, doc="trainable parameter (current value)")
-        _turn_into_inputs(g, list(self.running), self.defaults, doc="running statistic (current value)")
+        # outputs: loss first
         del g.output[:]
         g.output.append(helper.make_tensor_value_info(self.loss, self.loss_dtype, []))
         g.output[0].doc_string = "the loss of this batch (before the update)"
@@ -408,30 +409,27 @@ def _cast_to(b: Builder, x: Var, dtype: int) -> Var:
     return x if dtype == TensorProto.FLOAT else b.op.Cast(x, to=dtype)
 
 
-def _turn_into_inputs(g: onnx.GraphProto, params: Sequence[str], keep_defaults: bool, doc: str) -> None:
-    """Make the initializers ``params`` graph inputs (keeping them as default values if asked)."""
-    inits = {i.name: i for i in g.initializer}
-    have = {i.name for i in g.input}
-    vis = []
-    for p in params:
-        t = inits[p]
-        if p not in have:
-            vi = helper.make_tensor_value_info(p, t.data_type, list(t.dims))
-            vi.doc_string = doc
-            vis.append(vi)
-    if not keep_defaults:
-        dropped = set(params)
-        M.keep_only(g.initializer, lambda t: t.name not in dropped)
-        # a parameter that was already a graph input keeps its place; the others come after the data
-    g.input.extend(vis)
+def _as_inputs(model: onnx.ModelProto, groups: Sequence[tuple[Sequence[str], str]], defaults: bool
+               ) -> onnx.ModelProto:
+    """A copy of ``model`` whose initializers named in ``groups`` ((names, doc string) pairs) are graph
+    inputs, after the others; kept as initializers of the same names too (default values) when
+    ``defaults``. Without defaults their data is never copied: a large weight copied into a proto and
+    deleted from it again is not freed."""
+    inits = {t.name: t for t in model.graph.initializer}
+    names = [p for ps, _ in groups for p in ps if p in inits]
+    m = copy_model(model, skip=() if defaults else set(names))
+    have = {i.name for i in m.graph.input}
+    for ps, doc in groups:
+        for p in ps:
+            if p in inits and p not in have:
+                vi = m.graph.input.add()
+                vi.CopyFrom(helper.make_tensor_value_info(p, inits[p].data_type, list(inits[p].dims)))
+                vi.doc_string = doc
+    return m
 
 
 def _params_as_inputs(model: onnx.ModelProto, params: Sequence[str] | dict, defaults: bool) -> onnx.ModelProto:
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    present = {i.name for i in m.graph.initializer}
-    _turn_into_inputs(m.graph, [p for p in params if p in present], defaults, doc="trainable parameter")
-    return m
+    return _as_inputs(model, [(list(params), "trainable parameter")], defaults)
 
 
 def _prune(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:

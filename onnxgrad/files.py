@@ -140,8 +140,8 @@ def nbytes(message) -> int:
 def stripped(model: onnx.ModelProto, external: "Callable[[onnx.TensorProto], tuple[str, int, int] | None]"
              ) -> onnx.ModelProto:
     """A copy of ``model`` whose main-graph initializers for which ``external`` gives (location, offset,
-    length) carry no data but that reference; the others copied. Built field by field, so that the large
-    tensors are never copied."""
+    length) carry no data but that reference (``_DROP``: left out); the others copied. Built field by
+    field, so that the large tensors are never copied."""
     out = onnx.ModelProto()
     for field, value in model.ListFields():
         if field.name != "graph":
@@ -150,8 +150,10 @@ def stripped(model: onnx.ModelProto, external: "Callable[[onnx.TensorProto], tup
         if field.name != "initializer":
             _copy_field(out.graph, field, value)
     for t in model.graph.initializer:
-        ref = external(t) if t.data_location != onnx.TensorProto.EXTERNAL else None
-        if ref is None:
+        ref = external(t)
+        if ref is _DROP:
+            continue
+        if ref is None or t.data_location == onnx.TensorProto.EXTERNAL:     # external already: as it is
             out.graph.initializer.add().CopyFrom(t)
             continue
         location, offset, length = ref
@@ -160,6 +162,20 @@ def stripped(model: onnx.ModelProto, external: "Callable[[onnx.TensorProto], tup
         for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
             e.external_data.add(key=k, value=v)
     return out
+
+
+def copy_model(model: onnx.ModelProto, skip: "set[str] | tuple" = ()) -> onnx.ModelProto:
+    """A copy of ``model`` without the main-graph initializers named in ``skip``, built field by field:
+    the skipped tensors are never copied (a large weight copied into a proto and deleted from it again
+    stays allocated with that proto)."""
+    if not skip:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+        return out
+    return stripped(model, lambda t: _DROP if t.name in skip else None)
+
+
+_DROP = ("", -1, -1)       # stripped(): leave the tensor out altogether
 
 
 def _copy_field(out, field, value) -> None:

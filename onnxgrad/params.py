@@ -29,6 +29,7 @@ differentiated outputs) and it is what PyTorch would train. In this order:
 from __future__ import annotations
 
 import ast
+import hashlib
 import os
 import re
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ _BUFFER_NAMES = re.compile(r"(^|\.)(running_mean|running_var|num_batches_tracked
 _RUNNING_STATS = {"BatchNormalization": (3, 4)}
 # folds that repeat elements are told by their values; above this size the check samples
 _REPEAT_CHECK_LIMIT = 1 << 22
+# named (non-generated) tensors larger than this are not read for the mask checks
+_VALUE_CHECK_LIMIT = 1 << 24
 NO_FOLDING_HINT = ("to train it, export with torch.onnx.export(..., dynamo=True, optimize=False) so that the "
                    "parameter stays one tensor, or name it in trainable=")
 
@@ -323,6 +326,10 @@ def _decide_by_value(init: onnx.TensorProto) -> Parameter:
     name = init.name
     if _BUFFER_NAMES.search(name):
         return Parameter(name, False, "named like a PyTorch buffer")
+    if np.prod(init.dims) > _VALUE_CHECK_LIMIT and not _GENERATED.match(name):
+        # reading a weight this large copies it; masks and exporter constants are not this large under a
+        # module path's name
+        return Parameter(name, True, "float initializer with a differentiable path (no exporter metadata)")
     values = numpy_helper.to_array(init)
     if values.size and not np.isfinite(values).all():
         return Parameter(name, False, "holds non-finite values (a mask)")
@@ -373,18 +380,25 @@ def _break_ties(decisions: list[Parameter], facts: _ModelFacts, values: Mapping[
 def _tie_by_value(out: list[Parameter], values: Mapping[str, onnx.TensorProto]) -> None:
     """Without metadata, a trainable initializer that holds exactly another's values (or their transpose)
     is that one's copy (the TorchScript exporter folds a tied LM head as the embedding's transpose under a
-    generated name): it is computed from the other, named one, so the tie holds."""
+    generated name): it is computed from the other, named one, so the tie holds. Only tensors with a
+    same-sized partner are read."""
     candidates = [k for k, p in enumerate(out) if p.trainable and np.prod(values[p.name].dims) >= 2]
+    sizes: dict[int, int] = {}
+    for k in candidates:
+        n = int(np.prod(values[out[k].name].dims))
+        sizes[n] = sizes.get(n, 0) + 1
+    candidates = [k for k in candidates if sizes[int(np.prod(values[out[k].name].dims))] > 1]
     candidates.sort(key=lambda k: (bool(_GENERATED.match(out[k].name)), k))     # named holders first
+    shapes = {tuple(values[out[k].name].dims) for k in candidates}
     seen: dict[tuple, int] = {}
     for k in candidates:
         p = out[k]
-        a = numpy_helper.to_array(values[p.name])
+        a = np.ascontiguousarray(numpy_helper.to_array(values[p.name]))
         if (a == a.reshape(-1)[0]).all():
             continue                    # constant fills coincide without being copies
-        keys = [(a.dtype.str, a.tobytes())]
-        if a.ndim == 2:
-            keys.append((a.dtype.str, np.ascontiguousarray(a.T).tobytes()))
+        keys = [(a.dtype.str, hashlib.blake2b(a.data).digest())]
+        if a.ndim == 2 and a.shape[::-1] in shapes:
+            keys.append((a.dtype.str, hashlib.blake2b(np.ascontiguousarray(a.T).data).digest()))
         holder = next((seen[key] for key in keys if key in seen), None)
         if holder is None or p.torch_name is not None:
             seen.setdefault(keys[0], k)
