@@ -152,3 +152,48 @@ def test_grouped_view_computes_the_same(name):
         np.testing.assert_array_equal(a, b)
     # a grouped model loads as its flat self (onnxgrad inlines local functions), for second derivatives
     assert not M.load(grouped).functions and len(M.load(grouped).graph.node) >= forward
+
+
+def _runtime_shapes(gm: onnx.ModelProto, dim: int) -> dict[str, tuple[int, ...]]:
+    """The shape onnxruntime computes for every value_info tensor (the model loaded without its value_info,
+    symbolic dims fed as ``dim``)."""
+    ort = pytest.importorskip("onnxruntime")
+    m = onnx.ModelProto()
+    m.CopyFrom(gm)
+    names = [vi.name for vi in m.graph.value_info]
+    del m.graph.value_info[:]
+    outputs = {o.name for o in m.graph.output}
+    m.graph.output.extend(onnx.ValueInfoProto(name=n) for n in names if n not in outputs)
+    s = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in s.get_inputs():
+        shape = [d if isinstance(d, int) else dim for d in i.shape]
+        feeds[i.name] = (rng.integers(0, 3, shape).astype(np.int64) if "int" in i.type
+                         else rng.standard_normal(shape).astype(np.float32))
+    wanted = [o.name for o in s.get_outputs()]
+    return {n: v.shape for n, v in zip(wanted, s.run(wanted, feeds))}
+
+
+@pytest.mark.parametrize("name", ["mlp_dynamo", "cnn_bn_dynamo", "gpt_dynamo", "lstm_legacy", "light_bvlc_alexnet"])
+def test_value_info_shapes_are_the_runtime_shapes(name):
+    """No value_info dim contradicts the shape onnxruntime computes (a wrong dim is worse than none: the
+    runtime refuses the model). light_bvlc_alexnet: an IR-3 model, whose int64 constants became initializers."""
+    if name.startswith("light_"):
+        path = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light" / f"{name}.onnx"
+        model = onnx.load(str(path))
+        out = model.graph.output[0].name
+        gm = onnxgrad.grad(model, wrt=[model.graph.input[0].name], of=[out])
+    else:
+        gm = onnxgrad.grad(f"models/{name}.onnx")
+    for dim in (2, 3):
+        real = _runtime_shapes(gm, dim)
+        wrong = []
+        for vi in gm.graph.value_info:
+            dims = vi.type.tensor_type.shape.dim
+            if vi.name not in real or not vi.type.tensor_type.HasField("shape"):
+                continue
+            if len(dims) != len(real[vi.name]) or any(
+                    d.HasField("dim_value") and d.dim_value != r for d, r in zip(dims, real[vi.name])):
+                wrong.append((vi.name, [d.dim_value or d.dim_param for d in dims], real[vi.name]))
+        assert not wrong, wrong[:5]
