@@ -207,12 +207,10 @@ class Builder:
 
     def _attribute(self, name: str, value: Any) -> onnx.AttributeProto:
         """helper.make_attribute, made once per (name, value) for the hashable values (ints, floats,
-        strings) and small tensors (a Constant's ``value``, keyed by its bytes)."""
-        if isinstance(value, onnx.TensorProto):
-            small = value.raw_data and len(value.raw_data) <= 8 * _SHARED_CONSTANT_SIZE
-            key = (name, value.data_type, tuple(value.dims), value.raw_data) if small else None
-        else:
-            key = (name, type(value), value) if isinstance(value, (int, float, str)) else None
+        strings); an AttributeProto is used as it is (a Constant's ``value``, see :meth:`const`)."""
+        if isinstance(value, onnx.AttributeProto):
+            return value
+        key = (name, type(value), value) if isinstance(value, (int, float, str)) else None
         if key is None:
             return helper.make_attribute(name, value)
         attr = self.attributes.get(key)
@@ -231,6 +229,7 @@ class Builder:
             return self.lift(inputs[1]).dtype
         if op_type in ("Constant", "ConstantOfShape"):
             t = attrs.get("value")
+            t = t.t if isinstance(t, onnx.AttributeProto) else t
             return t.data_type if t is not None else TensorProto.FLOAT
         for i in _same_type_inputs(op_type, self.opset, len(inputs)):
             x = inputs[i]
@@ -262,9 +261,13 @@ class Builder:
                 self.infos[name] = TensorInfo(init.data_type, tuple(arr.shape))
                 self.constants[name] = arr
             return Var(self, init.name)
-        tensor = numpy_helper.from_array(arr)
-        v = self.emit("Constant", [], value=tensor)
-        self.infos[v.name] = TensorInfo(tensor.data_type, tuple(arr.shape))   # rules may read them back
+        attr = self.attributes.get(("value", key)) if key is not None else None
+        if attr is None:             # one AttributeProto per value; each scope still has its own node
+            attr = helper.make_attribute("value", numpy_helper.from_array(arr))
+            if key is not None:
+                self.attributes[("value", key)] = attr
+        v = self.emit("Constant", [], value=attr)
+        self.infos[v.name] = TensorInfo(attr.t.data_type, tuple(arr.shape))   # rules may read them back
         self.constants[v.name] = arr
         self.constant_names.add(v.name)
         if key is not None:
