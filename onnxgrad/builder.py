@@ -436,7 +436,7 @@ _BROADCASTING = frozenset({
 _REDUCE = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2",
                      "ReduceSumSquare", "ReduceLogSumExp"})
 _SHAPED = _SAME_SHAPE | _BROADCASTING | _REDUCE | {
-    "Constant", "MatMul", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Gemm", "ConstantOfShape", "Expand",
+    "MatMul", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Gemm", "ConstantOfShape", "Expand",
     "Concat", "Shape"}
 
 
