@@ -7,13 +7,20 @@ initializer (the default ``wrt``), so the backward graph is about as big as it c
     /tmp/venv/bin/python bench/bench_build.py             # 1k, 10k, 100k nodes
     /tmp/venv/bin/python bench/bench_build.py 1000 10000  # some sizes
     /tmp/venv/bin/python bench/bench_build.py --profile 10000   # cProfile of one build
+    /tmp/venv/bin/python bench/bench_build.py --against /tmp/base 10000   # this checkout against another
+
+``--against DIR``: a checkout of another commit (``git worktree add DIR HEAD``); each side builds in its
+own process, alternately, and the ratio of the medians is printed.
 
 A benchmark, not a test: it prints times and asserts nothing about them.
 """
 from __future__ import annotations
 
 import cProfile
+import os
 import pstats
+import statistics
+import subprocess
 import sys
 import time
 
@@ -65,7 +72,37 @@ def measure(n: int) -> dict:
             "load": t1 - t0, "infer": t2 - t1, "grad": total}
 
 
+def _one_build(n: int) -> None:
+    """Child process of --against: one timed build of an n-node chain (after a warm-up)."""
+    measure(200)
+    print(onnxgrad.__file__, measure(n)["grad"])
+
+
+def against(other: str, n: int, runs: int = 8) -> None:
+    """Build time of this checkout's onnxgrad and of the one in ``other``, alternately, one process each."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    times: dict[str, list[float]] = {here: [], other: []}
+    for r in range(runs):
+        for root in (here, other) if r % 2 == 0 else (other, here):
+            env = dict(os.environ, PYTHONPATH=root)
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--one", str(n)], env=env,
+                                 capture_output=True, text=True, check=True)
+            module, seconds = out.stdout.split()[-2:]
+            if not module.startswith(os.path.abspath(root)):
+                sys.exit(f"{root}: the child imported onnxgrad from {module}")
+            times[root].append(float(seconds))
+    for root, ts in times.items():
+        print(f"{root}: median {statistics.median(ts):.3f} s  ({' '.join(f'{t:.2f}' for t in ts)})")
+    print(f"ratio {statistics.median(times[here]) / statistics.median(times[other]):.3f} ({n} nodes)")
+
+
 def main(argv: list[str]) -> None:
+    if argv and argv[0] == "--one":
+        _one_build(int(argv[1]))
+        return
+    if argv and argv[0] == "--against":
+        against(argv[1], int(argv[2]) if len(argv) > 2 else 10000)
+        return
     if argv and argv[0] == "--profile":
         model = chain(int(argv[1]) if len(argv) > 1 else 10000)
         wrt = ["x"] + [i.name for i in model.graph.initializer]

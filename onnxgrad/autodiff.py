@@ -17,11 +17,11 @@ from typing import Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import TensorProto, helper, numpy_helper
 
 from . import graph as G
 from . import model as M
-from .builder import Builder, NameScope, TensorInfo, Var, rename_tensors
+from .builder import Builder, NameScope, TensorInfo, Var, rename_tensors, static_shapes
 from .errors import NonFloatError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError
 from .registry import Node, Rule
 
@@ -35,6 +35,7 @@ def grad(
     loss: str | None = None,
     allow_unused: bool = False,
     strict_tags: bool = False,
+    group: bool = False,
 ) -> onnx.ModelProto:
     """Append the backward graph to ``model``; return the new model.
 
@@ -45,17 +46,25 @@ def grad(
     :func:`onnxgrad.parameters` decides them); each gets a graph output
     ``<name>_grad``, in order, after the original outputs. ``strict_tags``: follow
     the ONNX schemas' differentiability tags only, without the gradients PyTorch
-    computes beyond them (LSTM initial states, Clip bounds, GridSample's grid, ...).
+    computes beyond them (LSTM initial states, Clip bounds, GridSample's grid, ...). ``group``: each
+    forward node's backward as one call of a model-local function (one node per forward node in a
+    graph viewer; runtimes inline them, the values are the same).
     """
     # The pass allocates many small objects and frees nothing until it ends: the cyclic garbage
     # collector's passes over them would only make large graphs slower than linear.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _Pass(M.load(model), _names(wrt), _names(of), loss, allow_unused, strict_tags).run()
+        return _Pass(M.load(model), _names(wrt), _names(of), loss, allow_unused, strict_tags, group).run()
     finally:
         if enabled:
             gc.enable()
+
+
+def _has_shape(tp: onnx.TypeProto) -> bool:
+    """A shape every dim of which is known (a value or a symbol): dims left empty are not trusted."""
+    return (tp.HasField("tensor_type") and tp.tensor_type.HasField("shape")
+            and all(d.dim_param or d.dim_value > 0 for d in tp.tensor_type.shape.dim))
 
 
 def _names(x: Sequence[str] | str | None) -> list[str] | None:
@@ -65,9 +74,12 @@ def _names(x: Sequence[str] | str | None) -> list[str] | None:
 
 
 class _Pass:
-    def __init__(self, model: onnx.ModelProto, wrt, of, loss, allow_unused: bool, strict_tags: bool = False):
+    def __init__(self, model: onnx.ModelProto, wrt, of, loss, allow_unused: bool, strict_tags: bool = False,
+                 group: bool = False):
         self.model = model
         self.strict = strict_tags
+        self.group = group
+        self.report = None              # onnxgrad.parameters' report, when it was made
         self.inferred = M.infer(model)
         self.opset = M.opset_of(model)
         self.infos, self.types = M.tensor_infos(self.inferred)
@@ -132,6 +144,7 @@ class _Pass:
                 self.producer = {o: node for node in self.nodes for o in node.output if o}
                 self.reach = G.gradient_reach(self.nodes, self.targets, self.opset, self.infos, self.strict,
                                               self._positions)
+            self.report = report
             return report.trainable
         for name in wrt:
             if name not in self.known:
@@ -192,38 +205,44 @@ class _Pass:
         taken = set(self.known) | {o.name for o in g.output} | {n.name for n in self.nodes}
         self.names = NameScope(taken)
         root = Builder(self.opset, self.names, self.infos, "onnxgrad", "", self.constants)
+        root.int_initializers = {}
         self.root = root
         self.contributions: dict[str, list[Var]] = {}
         self.total: dict[str, Var | None] = {}
+        self.renames: dict[str, str] = {}       # tensor made here -> '<forward tensor>_grad'
+        self.grad_of: dict[str, str] = {}       # forward tensor -> the name of its total gradient
         seed_inputs = self._seed(root)
+        self.out_names = {name: self.names.fresh(f"{name}_grad") for name in self.wrt}
+        groups: list[tuple[onnx.NodeProto, int, int]] = []     # forward node, its backward nodes' range
 
         for node, rule, needed in reversed(path):
+            first = len(root.nodes)
             dys = [self._gradient(o) if o in self.requires else None for o in node.output]
             if all(d is None for d in dys):
                 continue
-            b = root.scoped(f"{node.name}/grad", f"gradient of node '{node.name}' ({node.op_type})", node.op_type)
+            b = root.scoped(f"{node.name}/grad", f"gradient of node '{node.name}' ({node.op_type})", node.op_type,
+                            node.metadata_props)
             grads = rule.fn(Node(node, b, dys, needed))
             self._collect(node, rule, b, grads, needed)
+            groups.append((node, first, len(root.nodes)))
 
         grad_outputs = []
-        made_here = {o for node in root.nodes for o in node.output} - set(root.shared_constants.values())
-        renames: dict[str, str] = {}
         for name in self.wrt:
-            out_name = self.names.fresh(f"{name}_grad")
+            out_name = self.out_names[name]
             total = self._gradient(name)
-            b = root.scoped(f"{name}_grad", f"gradient of '{name}'")
             if total is None:
+                b = root.scoped(f"{name}_grad", f"gradient of '{name}'")
                 total = b.zeros_like(b.var(name))
-            if total.name in made_here and total.name not in renames:
-                renames[total.name] = out_name       # the node that computes it names it: no copy
-            else:                                    # a seed, a forward tensor, a shared constant: copy
+                self._claim(name, total)
+            if self.renames.get(total.name) != out_name:    # a seed, a forward tensor, another's gradient
                 root.nodes.append(helper.make_node(
                     "Identity", [total.name], [out_name], name=self.names.fresh(f"{name}_grad/Identity"),
                     doc_string=f"gradient of '{name}'"))
+            self.grad_of[name] = out_name
             grad_outputs.append(self._value_info(out_name, name))
-        rename_tensors(root.nodes, renames)
-        backward = G.live_nodes(root.nodes, {o.name for o in grad_outputs})
-        return self._assemble(backward, seed_inputs, grad_outputs)
+        rename_tensors(root.nodes, self.renames)
+        read, live = G.live(root.nodes, {o.name for o in grad_outputs})
+        return self._assemble(live, read, seed_inputs, grad_outputs, groups)
 
     def _what(self) -> str:
         return f"loss '{self.loss}'" if self.loss else "outputs " + ", ".join(f"'{o}'" for o in self.of)
@@ -232,8 +251,9 @@ class _Pass:
         if self.loss is not None:
             sb = b.scoped(f"{self.loss}/seed", f"dL/dL = 1 for loss '{self.loss}'")
             loss = sb.var(self.loss)
-            if loss.info.static and loss.dtype is not None:
-                ones = sb.const(np.ones(loss.shape), loss.dtype)
+            if loss.info.static and loss.dtype is not None:     # its own Constant: it becomes '<loss>_grad'
+                ones = sb.emit("Constant", [], value=onnx.numpy_helper.from_array(
+                    np.ones(loss.shape, helper.tensor_dtype_to_np_dtype(loss.dtype))))
             else:
                 ones = sb.zeros_like(loss) + 1.0
             self.contributions[self.loss] = [ones]
@@ -241,8 +261,12 @@ class _Pass:
         inputs = []
         for name in self.of:
             seed = self.names.fresh(f"{name}_grad")
-            inputs.append(self._value_info(seed, name))
+            self.grad_of[name] = seed
+            inputs.append(self._value_info(seed, name, f"seed dL/d{name}: the gradient of the loss with respect "
+                                                       f"to output '{name}' (grad_outputs)"))
             self.infos[seed] = self.infos.get(name, TensorInfo())
+            if name in self.types:
+                self.types[seed] = self.types[name]
             self.contributions.setdefault(name, []).append(b.var(seed))
         return inputs
 
@@ -257,10 +281,27 @@ class _Pass:
             total = parts[0]
         else:
             owner = self.producer[name].name if name in self.producer else name
-            b = self.root.scoped(f"{owner}/grad", f"sum of the gradients reaching '{name}'")
+            node = self.producer.get(name)
+            b = self.root.scoped(f"{owner}/grad", f"sum of the gradients reaching '{name}'", "Sum",
+                                 node.metadata_props if node is not None else ())
             total = b.op.Sum(*parts)
         self.total[name] = total
+        if total is not None:
+            self._claim(name, total)
         return total
+
+    def _claim(self, name: str, total: Var) -> None:
+        """Name the total gradient of ``name`` '<name>_grad' on the node that computes it, unless that
+        tensor is not made here (a seed, a forward tensor), is a Constant, or already is the gradient
+        of another tensor (a gradient passed through unchanged: Add, Identity, a same-shape Reshape)."""
+        made = total.name
+        if made in self.renames or made not in self.root.made or made in self.root.constant_names:
+            if made in self.renames:
+                self.grad_of.setdefault(name, self.renames[made])
+            return
+        new = self.out_names.get(name) or self.names.fresh(f"{name}_grad")
+        self.renames[made] = new
+        self.grad_of[name] = new
 
     def _collect(self, node: onnx.NodeProto, rule: Rule, b: Builder, grads, needed: set[int]) -> None:
         if grads is None or isinstance(grads, Var):
@@ -287,26 +328,112 @@ class _Pass:
             self.contributions.setdefault(node.input[i], []).append(g)
 
     # -- 4. the result -----------------------------------------------------------------
-    def _value_info(self, name: str, like: str) -> onnx.ValueInfoProto:
+    def _value_info(self, name: str, like: str, doc: str = "") -> onnx.ValueInfoProto:
         tp = self.types.get(like)
         if tp is not None and tp.HasField("tensor_type"):
-            vi = onnx.ValueInfoProto(name=name)
+            vi = onnx.ValueInfoProto(name=name, doc_string=doc)
             vi.type.CopyFrom(tp)
             return vi
         dtype = (self.infos.get(like) or TensorInfo()).dtype or TensorProto.FLOAT
-        return helper.make_tensor_value_info(name, dtype, None)
+        return helper.make_tensor_value_info(name, dtype, None, doc_string=doc)
 
-    def _assemble(self, backward, seed_inputs, grad_outputs) -> onnx.ModelProto:
+    def _with_shapes(self, out: onnx.ModelProto, backward: list[onnx.NodeProto],
+                     outputs: set[str]) -> onnx.ModelProto:
+        """``out`` with the type and shape of every tensor in value_info, in one pass over the backward
+        nodes. Each '<x>_grad' has x's type (symbolic dims kept); :func:`static_shapes` gives most other
+        shapes; where it cannot (unknown dims, ops it does not shape), onnx's shape inference runs once over
+        the result, and a tensor it leaves unshaped keeps its element type alone."""
+        g = out.graph
+        del g.value_info[:]
+        g.value_info.extend(self.inferred.graph.value_info)     # the forward's (its tensors' names are not new)
+        old_name = {new: old for old, new in self.renames.items()}
+        infos = self.infos
+        grad_of = {gname: x for x, gname in self.grad_of.items() if x in self.types}
+
+        def known(name: str) -> tuple[int, ...] | None:         # a forward tensor, a constant, x for x_grad
+            info = infos.get(old_name.get(name, name))
+            if info is not None and info.static:
+                return info.shape
+            info = infos.get(grad_of.get(name, ""))
+            return info.shape if info is not None and info.static else None
+
+        unknown = []
+        types: dict[tuple, onnx.TypeProto] = {}          # one TypeProto per (type, shape), copied
+        for name, shape in static_shapes(backward, known, self.constants).items():
+            if name in outputs:
+                continue
+            x = grad_of.get(name)
+            if shape is None and x is not None and _has_shape(self.types[x]):
+                g.value_info.add(name=name, type=self.types[x])          # symbolic dims kept
+                continue
+            dtype = (infos.get(old_name.get(name, name)) or TensorInfo()).dtype
+            if shape is None or dtype is None:
+                unknown.append(name)
+                continue
+            tp = types.get((dtype, shape))
+            if tp is None:
+                tp = types[(dtype, shape)] = helper.make_tensor_type_proto(dtype, shape)
+            g.value_info.add(name=name, type=tp)
+        if not unknown:
+            return out
+        out.ir_version = M.emitted_ir_version(out)    # below IR 4, inference reads no initializer's value
+        out = M.infer(out)          # onnx's shape inference, ranks its readers imply where it finds none
+        found = {vi.name for vi in out.graph.value_info}
+        out.graph.value_info.extend(
+            helper.make_tensor_value_info(name, (infos.get(old_name.get(name, name)) or TensorInfo()).dtype
+                                          or TensorProto.UNDEFINED, None)
+            for name in unknown if name not in found)
+        return out
+
+    def _torch_names(self) -> dict[str, str]:
+        """PyTorch's names of the wrt initializers, where the exporter recorded them (folded ones too)."""
+        from .params import SIGNATURE_KEY, parameters
+
+        g = self.model.graph
+        if self.report is None and any(p.key == SIGNATURE_KEY for p in list(g.metadata_props) + list(
+                self.model.metadata_props)):
+            self.report = parameters(self.model, loss=self.loss, of=self.of or None, strict_tags=self.strict,
+                                     _facts=(self.infos, self.reach))
+        if self.report is None:
+            return {}
+        return {p.name: p.torch_name for p in self.report if p.torch_name and p.torch_name != p.name}
+
+    def _assemble(self, backward, read, seed_inputs, grad_outputs, groups) -> onnx.ModelProto:
         from . import __version__
 
         out = onnx.ModelProto()
         out.CopyFrom(self.model)
         g = out.graph
+        torch_names = self._torch_names()
+        for name, vi in zip(self.wrt, grad_outputs):
+            torch = f" (PyTorch '{torch_names[name]}')" if name in torch_names else ""
+            vi.doc_string = f"dL/d{name}{torch}: the gradient of {self._what()} with respect to '{name}'"
+            vi.metadata_props.add(key="onnxgrad.gradient_of", value=name)
+            if torch:
+                vi.metadata_props.add(key="onnxgrad.torch_name", value=torch_names[name])
+        out_names = {o.name for o in grad_outputs}
         del g.node[:]
         g.node.extend(self.nodes)
         g.node.extend(backward)
         g.input.extend(seed_inputs)
         g.output.extend(grad_outputs)
+        g.initializer.extend(t for t in self.root.int_initializers.values() if t.name in read)
+        out = self._with_shapes(out, backward, out_names)
+        g = out.graph
+        if self.group:
+            from .grouping import group_backward
+
+            first = len(self.nodes)
+            members = {id(n): fwd for fwd, start, end in groups for n in self.root.nodes[start:end]}
+            owners = [members.get(id(n)) for n in backward]      # the nodes of g.node[first:], in order
+            nodes, functions, shapes = group_backward(list(g.node[first:]), owners, out_names,
+                                                      list(g.value_info), self.opset)
+            del g.node[first:]
+            g.node.extend(nodes)
+            del g.value_info[:]
+            g.value_info.extend(shapes)
+            out.functions.extend(functions)
+            out.opset_import.add(domain=functions[0].domain if functions else "onnxgrad.grad", version=1)
         meta = {
             "onnxgrad.version": __version__,
             "onnxgrad.wrt": json.dumps(self.wrt),
@@ -323,5 +450,7 @@ class _Pass:
         if not any(o.domain in ("", "ai.onnx") for o in out.opset_import):
             out.opset_import.add(domain="", version=self.opset)
         out.ir_version = M.emitted_ir_version(out)
+        if self.group:
+            out.ir_version = max(out.ir_version, 10)        # function overloads
         return out
 

@@ -11,7 +11,7 @@ its nodes after the forward node they belong to.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 import onnx
@@ -56,7 +56,7 @@ class TensorInfo:
 
     @property
     def static(self) -> bool:
-        return self.shape is not None and all(d is not None for d in self.shape)
+        return self.shape is not None and None not in self.shape
 
 
 class Var:
@@ -153,14 +153,28 @@ class Builder:
         self.prefix = prefix
         self.doc = doc
         self.nodes: list[onnx.NodeProto] = []
-        self.shared_constants: dict[tuple, str] = {}
+        self.shared_constants: dict[tuple, str] = {}   # this scope's small constants, by value
+        self.constant_names: set[str] = set()          # every Constant made here, all scopes
+        self.made: set[str] = set()                    # every tensor a node made here made, all scopes
+        self.attributes: dict[tuple, onnx.AttributeProto] = {}   # made once per (name, value), all scopes
+        self.metadata: Sequence[onnx.StringStringEntryProto] = ()
+        # set by a caller that adds them to its graph: small int64 constants (axes, shapes) as initializers
+        # shared by the whole graph (a viewer draws them inside their readers; never float: no parameters)
+        self.int_initializers: dict[tuple, onnx.TensorProto] | None = None
         self.op = _Ops(self)
 
-    def scoped(self, prefix: str, doc: str, op_type: str = "") -> "Builder":
-        """A builder writing into the same node list under another name prefix (for a node of ``op_type``)."""
+    def scoped(self, prefix: str, doc: str, op_type: str = "",
+               metadata: Sequence[onnx.StringStringEntryProto] = ()) -> "Builder":
+        """A builder writing into the same node list under another name prefix (for a node of ``op_type``).
+
+        The scope has its own small constants (a Constant read by the nodes of two scopes would be a
+        hub in a graph viewer, named after one of them); ``metadata`` is stamped on every node it makes
+        (the forward node's exporter metadata: its PyTorch module).
+        """
         b = object.__new__(Builder)          # the pass makes one per node: skip __init__'s defaults
         b.__dict__.update(self.__dict__)
-        b.prefix, b.doc, b.op_type = prefix, doc, op_type
+        b.prefix, b.doc, b.op_type, b.metadata = prefix, doc, op_type, metadata
+        b.shared_constants = {}
         b.op = _Ops(b)
         return b
 
@@ -180,13 +194,29 @@ class Builder:
         attrs = {k: v for k, v in attrs.items() if v is not None}
         node = onnx.NodeProto(op_type=op_type, input=names, output=outs, name=node_name, doc_string=self.doc)
         if attrs:
-            node.attribute.extend(helper.make_attribute(k, v) for k, v in sorted(attrs.items()))
+            node.attribute.extend(self._attribute(k, v) for k, v in sorted(attrs.items()))
+        if self.metadata:
+            node.metadata_props.extend(self.metadata)
         self.nodes.append(node)
+        self.made.update(outs)
         dtype = self._out_dtype(op_type, inputs, attrs)
         for o in outs:
             self.infos[o] = TensorInfo(dtype, None)
         vs = tuple(Var(self, o) for o in outs)
         return vs[0] if outputs == 1 else vs
+
+    def _attribute(self, name: str, value: Any) -> onnx.AttributeProto:
+        """helper.make_attribute, made once per (name, value) for the hashable values (ints, floats,
+        strings); an AttributeProto is used as it is (a Constant's ``value``, see :meth:`const`)."""
+        if isinstance(value, onnx.AttributeProto):
+            return value
+        key = (name, type(value), value) if isinstance(value, (int, float, str)) else None
+        if key is None:
+            return helper.make_attribute(name, value)
+        attr = self.attributes.get(key)
+        if attr is None:
+            attr = self.attributes[key] = helper.make_attribute(name, value)
+        return attr
 
     def _out_dtype(self, op_type: str, inputs: Sequence[Any], attrs: dict) -> int | None:
         if op_type in _INT64_OPS:
@@ -199,6 +229,7 @@ class Builder:
             return self.lift(inputs[1]).dtype
         if op_type in ("Constant", "ConstantOfShape"):
             t = attrs.get("value")
+            t = t.t if isinstance(t, onnx.AttributeProto) else t
             return t.data_type if t is not None else TensorProto.FLOAT
         for i in _same_type_inputs(op_type, self.opset, len(inputs)):
             x = inputs[i]
@@ -210,9 +241,8 @@ class Builder:
     def const(self, value: Any, dtype: int | None = None) -> Var:
         """A Constant node holding ``value`` (numpy-convertible) as ``dtype``.
 
-        Small constants are made once per graph and shared (a backward graph would otherwise
-        carry thousands of copies of 1.0 and of the same axes); the node is named after the
-        first forward node that needed it.
+        Small constants are made once per scope (one forward node's gradient) and shared there;
+        never across scopes, so that every Constant belongs to the one forward node named in it.
         """
         arr = np.asarray(value)
         if dtype is not None:
@@ -222,10 +252,24 @@ class Builder:
         key = (arr.dtype.str, arr.shape, arr.tobytes()) if arr.size <= _SHARED_CONSTANT_SIZE else None
         if key is not None and key in self.shared_constants:
             return Var(self, self.shared_constants[key])
-        tensor = numpy_helper.from_array(arr)
-        v = self.emit("Constant", [], value=tensor)
-        self.infos[v.name] = TensorInfo(tensor.data_type, tuple(arr.shape))   # rules may read them back
+        if key is not None and self.int_initializers is not None and arr.dtype == np.int64:
+            init = self.int_initializers.get(key)
+            if init is None:
+                text = ",".join(map(str, arr.reshape(-1).tolist()))
+                name = self.names.fresh(f"onnxgrad/int64[{text}]" if arr.ndim else f"onnxgrad/int64({text})")
+                init = self.int_initializers[key] = numpy_helper.from_array(arr, name)
+                self.infos[name] = TensorInfo(init.data_type, tuple(arr.shape))
+                self.constants[name] = arr
+            return Var(self, init.name)
+        attr = self.attributes.get(("value", key)) if key is not None else None
+        if attr is None:             # one AttributeProto per value; each scope still has its own node
+            attr = helper.make_attribute("value", numpy_helper.from_array(arr))
+            if key is not None:
+                self.attributes[("value", key)] = attr
+        v = self.emit("Constant", [], value=attr)
+        self.infos[v.name] = TensorInfo(attr.t.data_type, tuple(arr.shape))   # rules may read them back
         self.constants[v.name] = arr
+        self.constant_names.add(v.name)
         if key is not None:
             self.shared_constants[key] = v.name
         return v
@@ -318,11 +362,12 @@ class Builder:
     def name_as(self, value: Var, name: str) -> Var:
         """Make ``value`` available as the tensor ``name``: rename it on the node of this builder that made
         it (and on its readers here), so no copy is made; an Identity when no node here made it."""
-        if value.name in self.shared_constants.values() or not any(value.name in n.output for n in self.nodes):
+        if value.name in self.constant_names or value.name not in self.made:
             self.nodes.append(helper.make_node("Identity", [value.name], [name],
                                                name=self.names.fresh(f"{name}/Identity"), doc_string=self.doc))
         else:
             rename_tensors(self.nodes, {value.name: name})
+        self.made.add(name)
         self.infos[name] = self.infos.get(value.name, TensorInfo())
         value.name = name
         return value
@@ -379,6 +424,165 @@ class Builder:
         axes = self.emit("Reshape", [self.emit("NonZero", [self.emit("Equal", [padded, one])]), self.ints([-1])])
         summed = self.emit("ReduceSum", [grad, axes], keepdims=1, noop_with_empty_axes=1)
         return self.emit("Reshape", [summed, tshape])
+
+
+_SAME_SHAPE = frozenset({
+    "Identity", "Neg", "Abs", "Relu", "Tanh", "Sigmoid", "Exp", "Log", "Sqrt", "Reciprocal", "Sign", "Erf",
+    "Sin", "Cos", "Floor", "Ceil", "Round", "Not", "IsNaN", "IsInf", "Cast", "CastLike", "Softmax",
+    "LogSoftmax", "Softplus", "Softsign", "Elu", "Selu", "LeakyRelu", "HardSigmoid", "Celu", "Gelu"})
+_BROADCASTING = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Max", "Min", "Sum", "Mean", "Where", "Equal", "Less", "LessOrEqual",
+    "Greater", "GreaterOrEqual", "And", "Or", "Xor", "Mod"})
+_REDUCE = frozenset({"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2",
+                     "ReduceSumSquare", "ReduceLogSumExp"})
+_SHAPED = _SAME_SHAPE | _BROADCASTING | _REDUCE | {
+    "MatMul", "Transpose", "Reshape", "Squeeze", "Unsqueeze", "Gemm", "ConstantOfShape", "Expand",
+    "Concat", "Shape"}
+
+
+def static_shapes(nodes: Iterable[onnx.NodeProto], known: Callable[[str], tuple[int, ...] | None],
+                  constants: dict[str, np.ndarray]) -> dict[str, tuple[int, ...] | None]:
+    """The static shape of every output of ``nodes`` (in topological order), None where a dim is not
+    certain, computed in one pass over the finished graph for its value_info. ``known(name)``: a shape
+    already known (a forward tensor, a constant, the gradient of a tensor of static shape), else None;
+    ``constants``: values of constant inputs (axes, shapes). The common ops only: a tensor left at None
+    goes to onnx's shape inference."""
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    elsewhere: dict[str, tuple[int, ...] | None] = {}      # inputs made outside ``nodes``, looked up once
+    for node in nodes:
+        outs = node.output
+        if len(outs) != 1:
+            shapes.update((o, None) for o in outs if o)
+            continue
+        out = outs[0]
+        shape = known(out)
+        if shape is None and node.op_type in _SHAPED and node.domain in ("", "ai.onnx"):
+            inputs = node.input
+            arg = []
+            for x in inputs:
+                if not x:
+                    continue                                 # an optional input left out (trailing)
+                s = shapes[x] if x in shapes else elsewhere[x] if x in elsewhere else elsewhere.setdefault(
+                    x, known(x))
+                if s is None:
+                    break
+                arg.append(s)
+            else:
+                try:
+                    shape = _shape_of_node(node.op_type, arg, inputs, node, constants) if arg else None
+                except (ValueError, KeyError, IndexError, TypeError, ZeroDivisionError):
+                    shape = None
+        shapes[out] = shape
+    return shapes
+
+
+def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+    for a in node.attribute:
+        if a.name == name:
+            return helper.get_attribute_value(a)
+    return default
+
+
+def _broadcast(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    """numpy's broadcast of static shapes (ValueError when they do not broadcast)."""
+    out = tuple(shapes[0])
+    for s in shapes[1:]:
+        if s == out or not s:           # the common cases: equal shapes, a scalar
+            continue
+        if not out:
+            out = tuple(s)
+            continue
+        rank = max(len(out), len(s))
+        a, b = (1,) * (rank - len(out)) + out, (1,) * (rank - len(s)) + tuple(s)
+        if any(x != y and x != 1 and y != 1 for x, y in zip(a, b)):
+            raise ValueError(f"shapes {shapes} do not broadcast")
+        out = tuple(y if x == 1 else x for x, y in zip(a, b))
+    return out
+
+
+def _shape_of_node(op: str, shapes: list, inputs: Sequence[str], node: onnx.NodeProto,
+                   constants: dict[str, np.ndarray]) -> tuple[int, ...] | None:
+    """One node's static output shape from its inputs' static shapes (every input has one), or None."""
+    def ints(i: int) -> list[int] | None:
+        v = constants.get(inputs[i]) if i < len(inputs) and inputs[i] else None
+        return None if v is None else [int(k) for k in np.asarray(v).reshape(-1)]
+
+    a = shapes[0]
+    if op in _SAME_SHAPE:
+        return a
+    if op in _BROADCASTING:
+        return _broadcast(shapes)
+    if op == "MatMul":
+        c = shapes[1]
+        if not a or not c:
+            return None
+        a2, c2 = (a if len(a) > 1 else (1,) + a), (c if len(c) > 1 else c + (1,))
+        if a2[-1] != c2[-2]:
+            return None
+        out = _broadcast([a2[:-2], c2[:-2]]) + (a2[-2], c2[-1])
+        if len(a) == 1:
+            out = out[:-2] + out[-1:]
+        if len(c) == 1:
+            out = out[:-1]
+        return out
+    if op == "Transpose":
+        perm = _attr(node, "perm") or list(range(len(a)))[::-1]
+        return tuple(a[p] for p in perm)
+    if op in _REDUCE:
+        if len(inputs) > 1 and inputs[1]:
+            axes = ints(1)
+            if axes is None:
+                return None                       # axes known only at run time
+        else:
+            axes = _attr(node, "axes")
+        if not axes:
+            if _attr(node, "noop_with_empty_axes", 0):
+                return a
+            axes = range(len(a))
+        drop = {x % len(a) for x in axes}
+        if _attr(node, "keepdims", 1):
+            return tuple(1 if i in drop else d for i, d in enumerate(a))
+        return tuple(d for i, d in enumerate(a) if i not in drop)
+    if op == "Reshape":
+        target = ints(1)
+        if target is None:
+            return None
+        allowzero = _attr(node, "allowzero", 0)
+        out = [a[i] if t == 0 and not allowzero else t for i, t in enumerate(target)]
+        if -1 in out:
+            rest = int(np.prod([d for d in out if d != -1]))
+            if rest == 0:
+                return None
+            out[out.index(-1)] = int(np.prod(a)) // rest
+        return tuple(out) if int(np.prod(out)) == int(np.prod(a)) else None
+    if op in ("Squeeze", "Unsqueeze"):
+        axes = ints(1) if len(inputs) > 1 and inputs[1] else _attr(node, "axes")
+        if axes is None:
+            return None
+        if op == "Squeeze":
+            drop = {x % len(a) for x in axes}
+            return tuple(d for i, d in enumerate(a) if i not in drop)
+        rank = len(a) + len(axes)
+        add = {x % rank for x in axes}
+        it = iter(a)
+        return tuple(1 if i in add else next(it) for i in range(rank))
+    if op == "Gemm":
+        c = shapes[1]
+        m = a[1] if _attr(node, "transA", 0) else a[0]
+        n = c[0] if _attr(node, "transB", 0) else c[1]
+        return (m, n)
+    if op == "ConstantOfShape":
+        dims = ints(0)
+        return None if dims is None else tuple(dims)
+    if op == "Expand":
+        target = ints(1)
+        return None if target is None else _broadcast([a, tuple(target)])
+    if op == "Concat":
+        axis = _attr(node, "axis") % len(a)
+        return a[:axis] + (sum(s[axis] for s in shapes),) + a[axis + 1:]
+    if op == "Shape":
+        return (len(range(len(a))[slice(_attr(node, "start"), _attr(node, "end"))]),)
+    return None
 
 
 def rename_tensors(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None:

@@ -98,6 +98,9 @@ def _grad_parser() -> argparse.ArgumentParser:
     p.add_argument("--strict-tags", action="store_true",
                    help="follow the ONNX schemas' differentiability tags only: no gradients for the inputs they "
                    "tag non-differentiable but PyTorch differentiates (LSTM initial states, Clip bounds, ...)")
+    p.add_argument("--group", action="store_true",
+                   help="write each forward node's backward as one call of a model-local function (one node per "
+                   "forward op in Netron; runtimes inline them)")
     p.add_argument("--check", action="store_true",
                    help="also compare the gradients with central differences on random inputs")
     p.add_argument("--seed", type=int, default=0, help="random seed for --check (default 0)")
@@ -195,7 +198,7 @@ def run_grad(args: argparse.Namespace) -> int:
                                                                  else " (the model has no float initializer)")
                                 + "; name the tensors to differentiate with --wrt")
     gm = grad(model, wrt=report.trainable if report is not None else args.wrt, of=args.of, loss=loss_name,
-              allow_unused=args.allow_unused, strict_tags=args.strict_tags)
+              allow_unused=args.allow_unused, strict_tags=args.strict_tags, group=args.group)
     build_s = time.perf_counter() - t0
     result, check_s = None, 0.0
     if args.check:          # before writing: a gradient model that fails its check is not written

@@ -2,7 +2,7 @@
 
 - :func:`differentiable_positions`: which inputs of a node can carry a gradient
   (the rule's registration, else the schema's tags, else every input).
-- :func:`dependencies` / :func:`live_nodes`: every tensor (node) some targets depend
+- :func:`dependencies` / :func:`live_nodes` / :func:`live` (both): every tensor (node) some targets depend
   on, through any input: one reverse walk.
 - :func:`gradient_reach`: every tensor from which a *differentiable* path reaches
   the targets: through differentiable input positions, float tensors only, never
@@ -23,7 +23,7 @@ from . import model as M
 from .builder import TensorInfo
 from .registry import Rule, get_rule, get_schema, schema_differentiable_inputs
 
-__all__ = ["rule_of", "differentiable_positions", "dependencies", "live_nodes", "gradient_reach"]
+__all__ = ["rule_of", "differentiable_positions", "dependencies", "live_nodes", "live", "gradient_reach"]
 
 _STANDARD = ("", "ai.onnx")
 
@@ -70,6 +70,11 @@ def live_nodes(nodes: Sequence[onnx.NodeProto], targets: Iterable[str],
     """The nodes the targets depend on, in their original order (dead code dropped); the walk
     stops at the tensors in ``cut`` (their producers are not needed)."""
     return _reverse_walk(nodes, targets, set(cut))[1]
+
+
+def live(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> tuple[set[str], list[onnx.NodeProto]]:
+    """:func:`dependencies` and :func:`live_nodes` in one walk."""
+    return _reverse_walk(nodes, targets)
 
 
 def _reverse_walk(nodes: Sequence[onnx.NodeProto], targets: Iterable[str],

@@ -263,6 +263,10 @@ def _recover_ranks(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     types: dict[str, onnx.TypeProto] = {}
     for vi in list(g.input) + list(g.value_info) + list(g.output):
         types.setdefault(vi.name, vi.type)
+    shaped = {init.name for init in g.initializer}
+    shaped.update(name for name, tp in types.items() if _shape_of(tp) is not None)
+    if all(x in shaped for n in g.node for x in n.input if x):
+        return {}                   # the common case: every tensor a node reads has a shape already
     for init in g.initializer:
         types[init.name] = helper.make_tensor_type_proto(init.data_type, list(init.dims))
     found: dict[str, onnx.TypeProto] = {}
@@ -389,7 +393,8 @@ def subgraph_inputs(node: onnx.NodeProto) -> set[str]:
 
 
 def has_subgraph(node: onnx.NodeProto) -> bool:
-    return any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute)
+    attrs = node.attribute          # most nodes have none: asked of every node, several times per pass
+    return bool(attrs) and any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in attrs)
 
 
 def emitted_ir_version(model: onnx.ModelProto) -> int:
