@@ -393,7 +393,7 @@ class _Pass:
         if self.report is None and any(p.key == SIGNATURE_KEY for p in list(g.metadata_props) + list(
                 self.model.metadata_props)):
             self.report = parameters(self.model, loss=self.loss, of=self.of or None, strict_tags=self.strict,
-                                     _facts=(self.infos, self.reach))
+                                     _pass=self)
         if self.report is None:
             return {}
         return {p.name: p.torch_name for p in self.report if p.torch_name and p.torch_name != p.name}
