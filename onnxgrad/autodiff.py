@@ -212,7 +212,7 @@ class _Pass:
         self.renames: dict[str, str] = {}       # tensor made here -> '<forward tensor>_grad'
         self.grad_of: dict[str, str] = {}       # forward tensor -> the name of its total gradient
         seed_inputs = self._seed(root)
-        self.out_names = {name: self.names.fresh(f"{name}_grad") for name in self.wrt}
+        self.out_names = {name: self.names.fresh(self._gradient_base(name)) for name in self.wrt}
         groups: list[tuple[onnx.NodeProto, int, int]] = []     # forward node, its backward nodes' range
 
         for node, rule, needed in reversed(path):
@@ -247,6 +247,23 @@ class _Pass:
     def _what(self) -> str:
         return f"loss '{self.loss}'" if self.loss else "outputs " + ", ".join(f"'{o}'" for o in self.of)
 
+    def _earlier(self) -> dict[str, str]:
+        """The gradient outputs the model already has, when it is itself a gradient model."""
+        for p in self.model.metadata_props:
+            if p.key == "onnxgrad.gradients":
+                return json.loads(p.value)
+        return {}
+
+    def _gradient_base(self, name: str) -> str:
+        """``<name>_grad``; in a gradient model that has ``<name>_grad`` (or ``_grad2``, ...) already, the
+        next order: ``<name>_grad2``, ``<name>_grad3`` (a Hessian-vector product of ``name``). The seed of
+        a gradient output ``<name>_grad`` is ``<name>_grad_seed`` (the vector v)."""
+        earlier = self._earlier().get(name)
+        if earlier is None:
+            return f"{name}_grad"
+        order = earlier[len(f"{name}_grad"):]
+        return f"{name}_grad{int(order) + 1 if order.isdigit() else 2}"
+
     def _seed(self, b: Builder) -> list[onnx.ValueInfoProto]:
         if self.loss is not None:
             sb = b.scoped(f"{self.loss}/seed", f"dL/dL = 1 for loss '{self.loss}'")
@@ -260,7 +277,7 @@ class _Pass:
             return []
         inputs = []
         for name in self.of:
-            seed = self.names.fresh(f"{name}_grad")
+            seed = self.names.fresh(f"{name}_seed" if name in self._earlier().values() else f"{name}_grad")
             self.grad_of[name] = seed
             inputs.append(self._value_info(seed, name, f"seed dL/d{name}: the gradient of the loss with respect "
                                                        f"to output '{name}' (grad_outputs)"))

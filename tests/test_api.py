@@ -223,8 +223,12 @@ def test_hessian_vector_product_of_a_tanh_mlp():
     gm = onnxgrad.grad(m, wrt=["W1", "W2"])
     hvp = onnxgrad.grad(gm, wrt=["W1"], of=["W1_grad"])
     onnx.checker.check_model(hvp, full_check=True)
-    # W1_grad_grad is the seed input of W1_grad; the second-order output takes the next free name
+    # the names say what they are: W1_grad_seed is the vector v seeding W1_grad, W1_grad2 the second-order
+    # gradient of W1 (H v); a third order would give W1_grad3
     spec = gradient_spec(hvp)
-    assert spec["seeds"] == {"W1_grad": "W1_grad_grad"} and spec["gradients"] == {"W1": "W1_grad_1"}
+    assert spec["seeds"] == {"W1_grad": "W1_grad_seed"} and spec["gradients"] == {"W1": "W1_grad2"}
+    third = onnxgrad.grad(hvp, wrt=["W1"], of=["W1_grad2"])
+    assert gradient_spec(third)["gradients"] == {"W1": "W1_grad3"}
+    assert gradient_spec(third)["seeds"] == {"W1_grad2": "W1_grad2_seed"}
     result = check(gm, hvp, {"x": X})
     assert result.ok(1e-3), result.errors
