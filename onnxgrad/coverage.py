@@ -100,17 +100,43 @@ def coverage() -> list[OpCoverage]:
     return rows
 
 
+def _quietly(run, cases):
+    """run(case) for each case, with a progress bar on a terminal, and nothing else on stderr: the cases
+    probe onnxruntime and numpy on purpose (errors, NaNs), and their logs and warnings are not news."""
+    import sys
+    import warnings
+
+    import numpy as np
+    import onnxruntime as ort
+
+    progress = cases
+    if sys.stderr.isatty():
+        try:
+            from tqdm import tqdm
+
+            progress = tqdm(cases, desc="backend cases", unit="case", leave=False)
+        except ImportError:
+            pass
+    ort.set_default_logger_severity(4)
+    try:
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            for case in progress:
+                yield run(case)
+    finally:
+        ort.set_default_logger_severity(2)
+
+
 def print_table(run_cases: bool = False) -> int:
     rows = coverage()
     if run_cases:
-        from .backend_cases import all_cases, run_case
+        from . import backend_cases
 
         by_op = {r.op_type: r for r in rows}
-        for case in all_cases():
-            row = by_op.get(case.op_type)
-            if row is None or row.status != "rule":
-                continue
-            outcome = run_case(case)
+        cases = [c for c in backend_cases.all_cases()
+                 if by_op.get(c.op_type) is not None and by_op[c.op_type].status == "rule"]
+        for case, outcome in zip(cases, _quietly(backend_cases.run_case, cases)):
+            row = by_op[case.op_type]
             if outcome.status == "skip":
                 continue
             if outcome.status == "declined":

@@ -99,3 +99,34 @@ def test_large_models_are_saved_with_external_data(model_path, tmp_path, monkeyp
     np.testing.assert_array_equal(numpy_helper.to_array(loaded.graph.initializer[0]),
                                   numpy_helper.to_array(model.graph.initializer[0]))
     assert [p.name for p in tmp_path.joinpath("big").iterdir() if p.name.startswith(".")] == []
+
+
+def test_ops_cases_keep_stderr_clean(capfd, monkeypatch):
+    """`ops --cases` probes onnxruntime and numpy on purpose (failing runs, NaNs): their logs and warnings
+    stay off stderr. Stand-in cases make the noise a real case can make: a numpy RuntimeWarning and an
+    onnxruntime warning log (an initializer that is also a graph input)."""
+    import onnxruntime as ort
+
+    from onnxgrad import backend_cases, coverage
+
+    noisy = helper.make_model(helper.make_graph(
+        [helper.make_node("Neg", ["w"], ["y"])], "g", [helper.make_tensor_value_info("w", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+        [numpy_helper.from_array(np.ones(1, np.float32), "w")]), opset_imports=[helper.make_opsetid("", 17)])
+    noisy.ir_version = 8
+
+    def run_case(case):
+        np.log(np.array([-1.0]))
+        ort.InferenceSession(noisy.SerializeToString(), providers=["CPUExecutionProvider"])
+        return backend_cases.Outcome(case.name, case.op_type, "pass", "")
+
+    chosen = [c for c in backend_cases.all_cases() if c.name in ("test_log", "test_sqrt", "test_pow")]
+    monkeypatch.setattr(backend_cases, "all_cases", lambda: chosen)
+    monkeypatch.setattr(backend_cases, "run_case", run_case)
+    run_case(chosen[0])                                       # unquieted, the stand-in is noisy
+    assert capfd.readouterr().err != ""
+    assert coverage.print_table(run_cases=True) == 0
+    out, err = capfd.readouterr()
+    assert err == ""
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split()}
+    assert rows["Log"][3] == "1/1" and rows["Sqrt"][3] == "1/1"

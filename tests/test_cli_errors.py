@@ -148,3 +148,21 @@ def test_loss_errors_name_the_command_line_flags(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "choose another with --target" in err and "target=" not in err
     assert not (tmp_path / "m.grad.onnx").exists()
+
+
+def test_no_trainable_parameter_says_why_and_what_to_do(tmp_path, capsys):
+    """Weights computed in the graph (as in onnx's zoo CNNs: ConstantOfShape) are no parameters: the
+    command says so and how to name tensors with --wrt, instead of writing 'backward nodes: 0'."""
+    nodes = [helper.make_node("ConstantOfShape", ["shape"], ["w"],
+                              value=numpy_helper.from_array(np.array([0.5], np.float32))),
+             helper.make_node("Mul", ["x", "w"], ["y"])]
+    g = helper.make_graph(nodes, "computed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+                          [numpy_helper.from_array(np.array([2, 3], np.int64), "shape")])
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    assert CLI.main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: no trainable parameter found") and "--wrt" in err and err.count("\n") == 1
+    assert not (tmp_path / "m.grad.onnx").exists()
+    assert CLI.main([str(path), "--wrt", "w"]) == 0
