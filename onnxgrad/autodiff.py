@@ -346,6 +346,7 @@ class _Pass:
 
     # -- 4. the result -----------------------------------------------------------------
     def _value_info(self, name: str, like: str, doc: str = "") -> onnx.ValueInfoProto:
+        """A graph input or output typed as ``like`` (its rank may still be missing: see _declare_ranks)."""
         tp = self.types.get(like)
         if tp is not None and tp.HasField("tensor_type"):
             vi = onnx.ValueInfoProto(name=name, doc_string=doc)
@@ -437,6 +438,7 @@ class _Pass:
         g.initializer.extend(t for t in self.root.int_initializers.values() if t.name in read)
         out = self._with_shapes(out, backward, out_names)
         g = out.graph
+        _declare_ranks(out, seed_inputs, grad_outputs)
         if self.group:
             from .grouping import group_backward
 
@@ -471,3 +473,25 @@ class _Pass:
             out.ir_version = max(out.ir_version, 10)        # function overloads
         return out
 
+
+def _declare_ranks(model: onnx.ModelProto, seeds, gradients) -> None:
+    """Seed inputs and gradient outputs need a rank (onnx's checker refuses graph inputs and outputs
+    without one). One the forward model could not give (a tensor after a custom op) is taken from the
+    shapes found for the backward; a tensor whose rank nothing tells is refused, naming it."""
+    g = model.graph
+    new = {vi.name for vi in list(seeds) + list(gradients)}
+    missing = [vi for vi in list(g.input) + list(g.output)
+               if vi.name in new and not vi.type.tensor_type.HasField("shape")]
+    if not missing:
+        return
+    inferred = M.infer(model).graph         # the backward's readers may tell what the forward could not
+    found = {vi.name: vi.type for vi in list(g.value_info) + list(inferred.value_info) + list(inferred.output)
+             if vi.type.tensor_type.HasField("shape")}
+    for vi in missing:
+        if vi.name in found:
+            vi.type.tensor_type.shape.CopyFrom(found[vi.name].tensor_type.shape)
+            continue
+        raise UnknownNameError(
+            f"the rank of '{vi.name}' cannot be found (shape inference cannot tell the rank of the tensor it "
+            "belongs to), so it cannot be declared as a graph input or output; declare that tensor's shape "
+            "in the model's value_info, or choose a tensor of known rank")

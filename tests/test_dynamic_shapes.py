@@ -212,3 +212,20 @@ def test_det_of_unknown_rank(shape):
     m, feeds = _hidden_rank(node, shape, len(shape) - 2)
     feeds["x"] = feeds["x"] + 2 * np.eye(shape[-1], dtype=np.float32)
     verify(m, feeds, ["x"], ["y"])
+
+
+def test_a_wrt_tensor_of_unknown_rank_is_refused_clearly():
+    """A gradient output needs a rank (onnx's checker refuses a graph output without one): a wrt tensor
+    whose rank no inference finds is a clear error naming it, not an invalid model."""
+    F = TensorProto.FLOAT
+    nodes = [helper.make_node("Reshape", ["x", "dims"], ["r"]),         # dims: a run-time shape of any length
+             helper.make_node("Tanh", ["r"], ["t"]),
+             helper.make_node("ReduceSum", ["t"], ["loss"], keepdims=0)]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", F, [6]),
+                                       helper.make_tensor_value_info("dims", TensorProto.INT64, ["k"])],
+                          [helper.make_tensor_value_info("loss", F, [])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    with pytest.raises(onnxgrad.UnknownNameError, match="the rank of 'r_grad' cannot be found"):
+        onnxgrad.grad(m, wrt=["r"], loss="loss")
+    gm = onnxgrad.grad(m, wrt=["x"], loss="loss")          # x's rank is known: fine
+    onnx.checker.check_model(gm, full_check=True)
