@@ -447,7 +447,4 @@ def _prune(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
 
 
 def _set_meta(model: onnx.ModelProto, spec: TrainingSpec) -> None:
-    kept = [p for p in model.metadata_props if p.key != META_KEY]
-    del model.metadata_props[:]
-    model.metadata_props.extend(kept)
-    model.metadata_props.add(key=META_KEY, value=spec.to_json())
+    M.set_metadata(model, {META_KEY: spec.to_json()})

@@ -17,7 +17,7 @@ from typing import Sequence
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 from . import graph as G
 from . import model as M
@@ -347,13 +347,7 @@ class _Pass:
     # -- 4. the result -----------------------------------------------------------------
     def _value_info(self, name: str, like: str, doc: str = "") -> onnx.ValueInfoProto:
         """A graph input or output typed as ``like`` (its rank may still be missing: see _declare_ranks)."""
-        tp = self.types.get(like)
-        if tp is not None and tp.HasField("tensor_type"):
-            vi = onnx.ValueInfoProto(name=name, doc_string=doc)
-            vi.type.CopyFrom(tp)
-            return vi
-        dtype = (self.infos.get(like) or TensorInfo()).dtype or TensorProto.FLOAT
-        return helper.make_tensor_value_info(name, dtype, None, doc_string=doc)
+        return M.value_info_like(name, like, self.types, self.infos, doc)
 
     def _with_shapes(self, out: onnx.ModelProto, backward: list[onnx.NodeProto],
                      outputs: set[str]) -> onnx.ModelProto:
@@ -461,11 +455,7 @@ class _Pass:
             "onnxgrad.gradients": json.dumps({w: o.name for w, o in zip(self.wrt, grad_outputs)}),
             "onnxgrad.seeds": json.dumps({o: s.name for o, s in zip(self.of, seed_inputs)}),
         }
-        kept = [p for p in out.metadata_props if p.key not in meta]
-        del out.metadata_props[:]
-        out.metadata_props.extend(kept)
-        for k, v in meta.items():
-            out.metadata_props.add(key=k, value=v)
+        M.set_metadata(out, meta)
         if not any(o.domain in ("", "ai.onnx") for o in out.opset_import):
             out.opset_import.add(domain="", version=self.opset)
         out.ir_version = M.emitted_ir_version(out)

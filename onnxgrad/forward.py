@@ -210,13 +210,7 @@ class _ForwardPass:
             self.tangent[y] = root.var(t.name)
 
     def _value_info(self, name: str, like: str) -> onnx.ValueInfoProto:
-        tp = self.types.get(like)
-        if tp is not None and tp.HasField("tensor_type"):
-            vi = onnx.ValueInfoProto(name=name)
-            vi.type.CopyFrom(tp)
-            return vi
-        dtype = (self.infos.get(like) or TensorInfo()).dtype or TensorProto.FLOAT
-        return helper.make_tensor_value_info(name, dtype, None)
+        return M.value_info_like(name, like, self.types, self.infos)
 
     def _assemble(self, tangent_nodes, tangent_inputs, outputs) -> onnx.ModelProto:
         from . import __version__
@@ -234,11 +228,7 @@ class _ForwardPass:
             "onnxgrad.tangent_inputs": json.dumps({w: v.name for w, v in zip(self.wrt, tangent_inputs)}),
             "onnxgrad.tangents": json.dumps({y: o.name for y, o in zip(self.of, outputs)}),
         }
-        kept = [p for p in out.metadata_props if p.key not in meta]
-        del out.metadata_props[:]
-        out.metadata_props.extend(kept)
-        for k, v in meta.items():
-            out.metadata_props.add(key=k, value=v)
+        M.set_metadata(out, meta)
         out.ir_version = M.emitted_ir_version(out)
         return out
 

@@ -23,7 +23,7 @@ import onnx
 import onnx.version_converter
 from onnx import TensorProto, helper
 
-from . import graph as G
+from .graph import live_nodes
 from . import model as M
 from .autodiff import grad
 from .builder import Builder, NameScope, TensorInfo, Var
@@ -251,7 +251,7 @@ class _Lowering:
                                     f"{len(leaves)} names in xs and zs")
         if len(node.output) > len(xs):
             raise InvalidModelError(f"Gradient node '{label}' has {len(node.output)} outputs for {len(xs)} xs")
-        cone = G.live_nodes(self.done, [y], cut=leaves)
+        cone = live_nodes(self.done, [y], cut=leaves)
         free = _free_names(cone, set(leaves))
         infos, types = self._infos(leaves + free + [y])
         wanted = [x for k, x in enumerate(xs) if k < len(node.output) and node.output[k]]

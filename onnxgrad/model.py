@@ -185,6 +185,27 @@ def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
+def value_info_like(name: str, like: str, types: dict[str, onnx.TypeProto], infos: dict[str, TensorInfo],
+                    doc: str = "") -> onnx.ValueInfoProto:
+    """A graph input or output named ``name`` with the type (and shape, where known) of tensor ``like``."""
+    tp = types.get(like)
+    if tp is not None and tp.HasField("tensor_type"):
+        vi = onnx.ValueInfoProto(name=name, doc_string=doc)
+        vi.type.CopyFrom(tp)
+        return vi
+    dtype = (infos.get(like) or TensorInfo()).dtype or onnx.TensorProto.FLOAT
+    return helper.make_tensor_value_info(name, dtype, None, doc_string=doc)
+
+
+def set_metadata(model: onnx.ModelProto, values: dict[str, str]) -> None:
+    """Set these ``metadata_props`` keys, replacing earlier values of the same keys, keeping the others."""
+    kept = [p for p in model.metadata_props if p.key not in values]
+    del model.metadata_props[:]
+    model.metadata_props.extend(kept)
+    for k, v in values.items():
+        model.metadata_props.add(key=k, value=v)
+
+
 def keep_only(field, keep) -> None:
     """Delete, in place, the items of a repeated proto field for which ``keep(item)`` is false.
 

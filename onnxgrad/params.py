@@ -39,7 +39,6 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from . import graph as G
 from . import model as M
 from .errors import UnknownNameError
 
