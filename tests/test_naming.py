@@ -14,7 +14,9 @@ import onnxgrad
 from onnxgrad.autodiff import _Pass
 from onnxgrad import model as M
 
-MODELS = sorted((Path(__file__).resolve().parent.parent / "models").glob("*.onnx"))
+# the exported models (each has its .npz of references); not the <stem>.grad.onnx README's first command
+# writes beside one, which is a gradient model with a naming of its own (seeds '<x>_grad_seed')
+MODELS = sorted(p.with_suffix(".onnx") for p in (Path(__file__).resolve().parent.parent / "models").glob("*.npz"))
 IDS = [p.stem for p in MODELS]
 
 
