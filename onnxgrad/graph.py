@@ -44,10 +44,10 @@ def differentiable_positions(node: onnx.NodeProto, opset: int, strict: bool = Fa
     of a tagged schema's Differentiable ones, or all of them, so that the pass reports it as
     unsupported rather than silently cutting the path.
     """
-    rule = rule_of(node)
-    key = (node.domain, node.op_type, len(node.input), rule is None, strict)
-    if cache is not None and key in cache:
+    key = (node.domain, node.op_type, len(node.input), bool(node.attribute) and M.has_subgraph(node), strict)
+    if cache is not None and key in cache:         # asked of every node, several times per pass
         return cache[key]
+    rule = rule_of(node)
     n = len(node.input)
     schema = get_schema(node.op_type, opset) if node.domain in _STANDARD else None
     if rule is not None:
@@ -85,7 +85,7 @@ def _reverse_walk(nodes: Sequence[onnx.NodeProto], targets: Iterable[str],
         if any(o in live for o in node.output if o):
             kept.append(node)
             live.update(x for x in node.input if x and x not in cut)
-            if M.has_subgraph(node):
+            if node.attribute and M.has_subgraph(node):
                 live |= M.subgraph_inputs(node) - cut
     kept.reverse()
     return live, kept
@@ -106,12 +106,13 @@ def gradient_reach(nodes: Sequence[onnx.NodeProto], targets: Iterable[str], opse
     for node in reversed(nodes):
         if not any(o in reach and M.is_float(infos.get(o)) for o in node.output if o):
             continue
-        rule = rule_of(node)
+        subgraph = bool(node.attribute) and M.has_subgraph(node)
+        rule = None if subgraph or node.domain not in _STANDARD else get_rule(node.op_type)
         if rule is not None and rule.stop:
             if rule.zero_derivative:       # a gradient of zeros, not none (PyTorch's floor, sign)
                 reach.update(x for x in node.input if x and M.is_float(infos.get(x)))
             continue
-        if M.has_subgraph(node):
+        if subgraph:
             reach.update(x for x in node.input if x and M.is_float(infos.get(x)))
             reach |= {x for x in M.subgraph_inputs(node) if M.is_float(infos.get(x))}
             continue

@@ -329,15 +329,17 @@ def _decide_by_value(init: onnx.TensorProto) -> Parameter:
         # reading a weight this large copies it; masks and exporter constants are not this large under a
         # module path's name
         return Parameter(name, True, "float initializer with a differentiable path (no exporter metadata)")
-    values = numpy_helper.to_array(init)
-    if values.size and not np.isfinite(values).all():
+    values = numpy_helper.to_array(init).reshape(-1)
+    lo, hi = (values.min(), values.max()) if values.size else (0.0, 0.0)     # NaN and inf show here
+    if not (np.isfinite(lo) and np.isfinite(hi)):
         return Parameter(name, False, "holds non-finite values (a mask)")
-    if values.size > 1 and np.isin(values, (0, 1)).all() and (values == 0).any() and (values == 1).any():
+    if lo == 0 and hi == 1 and values.size > 1 and bool(((values == 0) | (values == 1)).all()):
         return Parameter(name, False, "holds only 0s and 1s (a mask)")
-    if _GENERATED.match(name) and (values.size <= 1 or bool((values == values.reshape(-1)[0]).all())):
+    generated = _GENERATED.match(name) is not None
+    if generated and lo == hi:
         shape = "a scalar" if values.size <= 1 else "a constant fill"
         return Parameter(name, False, f"an exporter constant ({shape} under a generated name)")
-    if _GENERATED.match(name) and _repeats_elements(init):
+    if generated and _repeats_elements(init):
         return Parameter(name, False, "repeats slices of its values under a generated name: a folded Gather or "
                          "Expand of a weight (e.g. a relative-position bias table), which training separately would "
                          f"untie; {NO_FOLDING_HINT}")
@@ -379,14 +381,15 @@ def _break_ties(decisions: list[Parameter], facts: _ModelFacts, values: Mapping[
 def _tie_by_value(out: list[Parameter], values: Mapping[str, onnx.TensorProto]) -> None:
     """Without metadata, a trainable initializer that holds exactly another's values (or their transpose)
     is that one's copy (the TorchScript exporter folds a tied LM head as the embedding's transpose under a
-    generated name): it is computed from the other, named one, so the tie holds. Only tensors with a
-    same-sized partner are read."""
+    generated name): it is computed from the other, named one, so the tie holds. Only generated-name
+    tensors and the tensors of their sizes are read."""
     candidates = [k for k, p in enumerate(out) if p.trainable and np.prod(values[p.name].dims) >= 2]
-    sizes: dict[int, int] = {}
-    for k in candidates:
-        n = int(np.prod(values[out[k].name].dims))
-        sizes[n] = sizes.get(n, 0) + 1
-    candidates = [k for k in candidates if sizes[int(np.prod(values[out[k].name].dims))] > 1]
+    size = {k: int(np.prod(values[out[k].name].dims)) for k in candidates}
+    # the copies an exporter makes have generated names; a named tensor is read only as the holder of one
+    copy_sizes = {size[k] for k in candidates if out[k].torch_name is None and _GENERATED.match(out[k].name)}
+    candidates = [k for k in candidates if size[k] in copy_sizes]
+    if len(candidates) < 2:
+        return
     candidates.sort(key=lambda k: (bool(_GENERATED.match(out[k].name)), k))     # named holders first
     shapes = {tuple(values[out[k].name].dims) for k in candidates}
     seen: dict[tuple, int] = {}
