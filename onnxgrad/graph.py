@@ -81,13 +81,21 @@ def _reverse_walk(nodes: Sequence[onnx.NodeProto], targets: Iterable[str],
                   cut: set[str] = frozenset()) -> tuple[set[str], list]:
     live = set(targets) - cut
     kept = []
-    for node in reversed(nodes):
-        if any(o in live for o in node.output if o):
-            kept.append(node)
-            live.update(x for x in node.input if x and x not in cut)
-            if node.attribute and M.has_subgraph(node):
-                live |= M.subgraph_inputs(node) - cut
+    for node in reversed(nodes):                # hot: once per node of every graph the pass writes
+        for o in node.output:
+            if o in live:
+                break
+        else:
+            continue
+        kept.append(node)
+        if cut:
+            live.update(x for x in node.input if x not in cut)
+        else:
+            live.update(node.input)
+        if node.attribute and M.has_subgraph(node):
+            live |= M.subgraph_inputs(node) - cut
     kept.reverse()
+    live.discard("")                            # optional inputs left out
     return live, kept
 
 
@@ -102,9 +110,12 @@ def gradient_reach(nodes: Sequence[onnx.NodeProto], targets: Iterable[str], opse
     """
     infos = infos or {}
     cache = {} if cache is None else cache
-    reach = {t for t in targets if M.is_float(infos.get(t))}
-    for node in reversed(nodes):
-        if not any(o in reach and M.is_float(infos.get(o)) for o in node.output if o):
+    reach = {t for t in targets if M.is_float(infos.get(t))}      # float tensors only, so an output
+    for node in reversed(nodes):                                     # in reach is a float one
+        for o in node.output:
+            if o in reach:
+                break
+        else:
             continue
         subgraph = bool(node.attribute) and M.has_subgraph(node)
         rule = None if subgraph or node.domain not in _STANDARD else get_rule(node.op_type)
