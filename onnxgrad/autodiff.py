@@ -175,10 +175,9 @@ class _Pass:
             requires.update(outs)
             if rule is None:
                 unsupported.setdefault(node.op_type, node.name)
-                if node.domain not in ("", "ai.onnx"):
-                    reasons[node.op_type] = f"custom domain '{node.domain}'"
-                elif M.has_subgraph(node):
-                    reasons[node.op_type] = "control flow with subgraphs"
+                why = G.why_no_rule(node)
+                if why is not None:
+                    reasons[node.op_type] = why
                 continue
             path.append((node, rule, needed))
         self.requires = requires

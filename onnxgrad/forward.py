@@ -174,10 +174,9 @@ class _ForwardPass:
             native = T.get_tangent_rule(node.op_type) if node.domain in ("", "ai.onnx") and not inner else None
             if native is None and rule is None:
                 unsupported.setdefault(node.op_type, node.name)
-                if node.domain not in ("", "ai.onnx"):
-                    reasons[node.op_type] = f"custom domain '{node.domain}'"
-                elif M.has_subgraph(node):
-                    reasons[node.op_type] = "control flow with subgraphs"
+                why = G.why_no_rule(node)
+                if why is not None:
+                    reasons[node.op_type] = why
                 continue
             if unsupported:
                 continue                        # keep looking for every unsupported op, build nothing more

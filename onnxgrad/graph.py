@@ -35,6 +35,15 @@ def rule_of(node: onnx.NodeProto) -> Rule | None:
     return get_rule(node.op_type)
 
 
+def why_no_rule(node: onnx.NodeProto) -> str | None:
+    """The reason a node has no gradient rule, where there is one to give (custom domain, control flow)."""
+    if node.domain not in _STANDARD:
+        return f"custom domain '{node.domain}'"
+    if M.has_subgraph(node):
+        return "control flow with subgraphs"
+    return None
+
+
 def differentiable_positions(node: onnx.NodeProto, opset: int, strict: bool = False,
                              cache: dict | None = None) -> tuple[int, ...]:
     """Input positions of ``node`` that can carry a gradient.
