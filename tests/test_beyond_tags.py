@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 import harness
 import onnxgrad
 from harness import Case, make_model, randn, run_case, run_second_order
+from test_rules_attention import lin      # query, key, value (, past_state, decay, beta) of LinearAttention
 from onnxgrad.check import Runner, check
 from onnxgrad.coverage import coverage
 from onnxgrad.registry import NON_DIFFERENTIABLE, Rule, all_rules, beyond_tags_inputs, get_rule, get_schema
@@ -110,17 +111,7 @@ def test_coverage_marks_the_inputs_beyond_the_tags(capsys):
 
 
 # -- the opset-27 recurrent caches (rules/attention.py): past_state as an RNN's h_0 ------------------
-B, T = 2, 3
-
-
-def linear_inputs(hq=2, hk=2, dk=2, dv=3, decay=None, beta=None):
-    """query, key, value, past_state, decay, beta of a LinearAttention node (decay, beta: their last dims)."""
-    inputs = [randn(B, T, hq * dk), randn(B, T, hk * dk), randn(B, T, hk * dv), randn(B, hk, dk, dv)]
-    inputs += [None if decay is None else randn(B, T, decay, low=-1.0, high=-0.05)]
-    inputs += [None if beta is None else randn(B, T, beta, low=0.1, high=0.9)]
-    while inputs[-1] is None:
-        inputs.pop()
-    return inputs
+B = 2
 
 
 PAST_STATE = [
@@ -130,13 +121,13 @@ PAST_STATE = [
          opset=27, outputs=2, id="state-silu"),
     Case("CausalConvWithState", [randn(1, 2, 2), randn(2, 1, 4), randn(2), randn(1, 2, 3)], {"activation": "swish"},
          opset=27, outputs=2, wrt=[3], id="kernel-longer-than-input-state-only"),
-    Case("LinearAttention", linear_inputs(2, 1, decay=2, beta=1), {"q_num_heads": 2, "kv_num_heads": 1}, opset=27,
+    Case("LinearAttention", lin(2, 1, decay=2, beta=1, past=True), {"q_num_heads": 2, "kv_num_heads": 1}, opset=27,
          outputs=2, id="gated-delta-gqa"),
-    Case("LinearAttention", linear_inputs(), {"q_num_heads": 2, "kv_num_heads": 2, "update_rule": "linear"},
+    Case("LinearAttention", lin(past=True), {"q_num_heads": 2, "kv_num_heads": 2, "update_rule": "linear"},
          opset=27, outputs=2, wrt=[3], id="linear-state-only"),
-    Case("LinearAttention", linear_inputs(decay=4), {"q_num_heads": 2, "kv_num_heads": 2, "update_rule": "gated"},
+    Case("LinearAttention", lin(past=True, decay=4), {"q_num_heads": 2, "kv_num_heads": 2, "update_rule": "gated"},
          opset=27, outputs=2, wrt=[0, 3], id="gated-per-key"),
-    Case("LinearAttention", linear_inputs(beta=2), {"q_num_heads": 2, "kv_num_heads": 2, "update_rule": "delta"},
+    Case("LinearAttention", lin(past=True, beta=2), {"q_num_heads": 2, "kv_num_heads": 2, "update_rule": "delta"},
          opset=27, outputs=2, wrt=[3, 5], id="delta"),
 ]
 
