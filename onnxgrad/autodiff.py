@@ -21,7 +21,7 @@ from onnx import TensorProto, helper
 
 from . import graph as G
 from . import model as M
-from .builder import Builder, NameScope, TensorInfo, Var, rename_tensors, static_shapes
+from .builder import Builder, NameScope, TensorInfo, Var, rename_tensors
 from .errors import NonFloatError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError
 from .registry import Node, Rule
 
@@ -318,6 +318,10 @@ class _Pass:
         new = self.out_names.get(name) or self.names.fresh(f"{name}_grad")
         self.renames[made] = new
         self.grad_of[name] = new
+        info, forward = self.infos.get(made), self.infos.get(name)
+        if forward is not None and forward.static and (info is None or not info.static):
+            info = self.infos[made] = TensorInfo(forward.dtype, forward.shape)    # dL/dx has x's shape
+        self.infos[new] = info
 
     def _collect(self, node: onnx.NodeProto, rule: Rule, b: Builder, grads, needed: set[int]) -> None:
         if grads is None or isinstance(grads, Var):
@@ -350,49 +354,44 @@ class _Pass:
 
     def _with_shapes(self, out: onnx.ModelProto, backward: list[onnx.NodeProto],
                      outputs: set[str]) -> onnx.ModelProto:
-        """``out`` with the type and shape of every tensor in value_info, in one pass over the backward
-        nodes. Each '<x>_grad' has x's type (symbolic dims kept); :func:`static_shapes` gives most other
-        shapes; where it cannot (unknown dims, ops it does not shape), onnx's shape inference runs once over
-        the result, and a tensor it leaves unshaped keeps its element type alone."""
+        """``out`` with the type and shape of every tensor in value_info. The builder recorded each
+        static shape as the rules emitted (:func:`onnxgrad.builder.shape_of_op`; '<x>_grad' has x's);
+        '<x>_grad' keeps x's symbolic dims; where neither tells (unknown dims, ops the builder does not
+        shape), onnx's shape inference runs once over the result, and a tensor it leaves unshaped keeps
+        its element type alone."""
         g = out.graph
         del g.value_info[:]
         g.value_info.extend(self.inferred.graph.value_info)     # the forward's (its tensors' names are not new)
-        old_name = {new: old for old, new in self.renames.items()}
         infos = self.infos
         grad_of = {gname: x for x, gname in self.grad_of.items() if x in self.types}
-
-        def known(name: str) -> tuple[int, ...] | None:         # a forward tensor, a constant, x for x_grad
-            info = infos.get(old_name.get(name, name))
-            if info is not None and info.static:
-                return info.shape
-            info = infos.get(grad_of.get(name, ""))
-            return info.shape if info is not None and info.static else None
-
-        unknown = []
-        types: dict[tuple, onnx.TypeProto] = {}          # one TypeProto per (type, shape), copied
-        for name, shape in static_shapes(backward, known, self.constants).items():
-            if name in outputs:
-                continue
-            x = grad_of.get(name)
-            if shape is None and x is not None and _has_shape(self.types[x]):
-                g.value_info.add(name=name, type=self.types[x])          # symbolic dims kept
-                continue
-            dtype = (infos.get(old_name.get(name, name)) or TensorInfo()).dtype
-            if shape is None or dtype is None:
-                unknown.append(name)
-                continue
-            tp = types.get((dtype, shape))
-            if tp is None:
-                tp = types[(dtype, shape)] = helper.make_tensor_type_proto(dtype, shape)
-            g.value_info.add(name=name, type=tp)
+        unknown, typed = [], []
+        types: dict[tuple, onnx.TypeProto] = {}          # one TypeProto per (type, shape)
+        for node in backward:
+            for name in node.output:
+                if not name or name in outputs:
+                    continue
+                info = infos.get(name) or TensorInfo()
+                shape, dtype = info.shape, info.dtype
+                if shape is None or dtype is None:
+                    x = grad_of.get(name)
+                    if x is not None and _has_shape(self.types[x]):
+                        typed.append((name, self.types[x]))              # symbolic dims kept
+                    else:
+                        unknown.append(name)
+                    continue
+                tp = types.get((dtype, shape))
+                if tp is None:
+                    tp = types[(dtype, shape)] = helper.make_tensor_type_proto(dtype, shape)
+                typed.append((name, tp))
+        M.add_value_infos(g, typed)
         if not unknown:
             return out
         out.ir_version = M.emitted_ir_version(out)    # below IR 4, inference reads no initializer's value
         out = M.infer(out)          # onnx's shape inference, ranks its readers imply where it finds none
         found = {vi.name for vi in out.graph.value_info}
         out.graph.value_info.extend(
-            helper.make_tensor_value_info(name, (infos.get(old_name.get(name, name)) or TensorInfo()).dtype
-                                          or TensorProto.UNDEFINED, None)
+            helper.make_tensor_value_info(name, (infos.get(name) or TensorInfo()).dtype or TensorProto.UNDEFINED,
+                                          None)
             for name in unknown if name not in found)
         return out
 
@@ -423,9 +422,7 @@ class _Pass:
             if torch:
                 vi.metadata_props.add(key="onnxgrad.torch_name", value=torch_names[name])
         out_names = {o.name for o in grad_outputs}
-        del g.node[:]
-        g.node.extend(self.nodes)
-        g.node.extend(backward)
+        g.node.extend(backward)             # after the forward's nodes (self.nodes are self.model's, copied)
         g.input.extend(seed_inputs)
         g.output.extend(grad_outputs)
         g.initializer.extend(t for t in self.root.int_initializers.values() if t.name in read)

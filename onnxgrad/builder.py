@@ -187,23 +187,48 @@ class Builder:
 
     # -- emitting -----------------------------------------------------------------
     def emit(self, op_type: str, inputs: Sequence[Any], outputs: int = 1, **attrs) -> Any:
-        names = ["" if x is None else x.name if type(x) is Var else self.lift(x).name for x in inputs]
+        args = [x if x is None or type(x) is Var else self.lift(x) for x in inputs]
+        names = ["" if x is None else x.name for x in args]
         node_name = self.names.fresh(f"{self.prefix}/{op_type}")
         outs = [self.names.fresh(f"{node_name}_out{i}" if outputs > 1 else f"{node_name}_out")
                 for i in range(outputs)]
-        attrs = {k: v for k, v in attrs.items() if v is not None}
         node = onnx.NodeProto(op_type=op_type, input=names, output=outs, name=node_name, doc_string=self.doc)
         if attrs:
+            attrs = {k: v for k, v in attrs.items() if v is not None}
             node.attribute.extend(self._attribute(k, v) for k, v in sorted(attrs.items()))
         if self.metadata:
             node.metadata_props.extend(self.metadata)
         self.nodes.append(node)
         self.made.update(outs)
-        dtype = self._out_dtype(op_type, inputs, attrs)
+        dtype = self._out_dtype(op_type, names, attrs)
+        if outputs == 1:
+            shape = self._out_shape(op_type, names, attrs) if op_type in _SHAPED else None
+            self.infos[outs[0]] = TensorInfo(dtype, shape)
+            return Var(self, outs[0])
         for o in outs:
             self.infos[o] = TensorInfo(dtype, None)
-        vs = tuple(Var(self, o) for o in outs)
-        return vs[0] if outputs == 1 else vs
+        return tuple(Var(self, o) for o in outs)
+
+    def _out_shape(self, op_type: str, names: Sequence[str], attrs: dict) -> tuple[int, ...] | None:
+        """The output's static shape when every input's is static and the op is one :func:`shape_of_op`
+        knows (None otherwise: a dim we are not sure of is never recorded)."""
+        shapes = []
+        infos = self.infos
+        for x in names:
+            if x:                                   # else an optional input left out
+                info = infos.get(x)
+                s = None if info is None else info.shape
+                if s is None or None in s:
+                    return None
+                shapes.append(s)
+        if not shapes:
+            return None
+        if op_type in _SAME_SHAPE:
+            return shapes[0]
+        try:
+            return shape_of_op(op_type, shapes, names, attrs, self.constants)
+        except (ValueError, KeyError, IndexError, TypeError, ZeroDivisionError):
+            return None
 
     def _attribute(self, name: str, value: Any) -> onnx.AttributeProto:
         """helper.make_attribute, made once per (name, value) for the hashable values (ints, floats,
@@ -218,23 +243,22 @@ class Builder:
             attr = self.attributes[key] = helper.make_attribute(name, value)
         return attr
 
-    def _out_dtype(self, op_type: str, inputs: Sequence[Any], attrs: dict) -> int | None:
+    def _out_dtype(self, op_type: str, names: Sequence[str], attrs: dict) -> int | None:
         if op_type in _INT64_OPS:
             return TensorProto.INT64
         if op_type in _BOOL_OPS:
             return TensorProto.BOOL
         if op_type == "Cast":
             return attrs["to"]
-        if op_type == "CastLike":
-            return self.lift(inputs[1]).dtype
         if op_type in ("Constant", "ConstantOfShape"):
             t = attrs.get("value")
             t = t.t if isinstance(t, onnx.AttributeProto) else t
             return t.data_type if t is not None else TensorProto.FLOAT
-        for i in _same_type_inputs(op_type, self.opset, len(inputs)):
-            x = inputs[i]
-            if isinstance(x, Var) and x.dtype is not None:
-                return x.dtype
+        infos = self.infos
+        for i in (1,) if op_type == "CastLike" else _same_type_inputs(op_type, self.opset, len(names)):
+            info = infos.get(names[i])
+            if info is not None and info.dtype is not None:
+                return info.dtype
         return None
 
     # -- constants ----------------------------------------------------------------
@@ -440,49 +464,6 @@ _SHAPED = _SAME_SHAPE | _BROADCASTING | _REDUCE | {
     "Concat", "Shape"}
 
 
-def static_shapes(nodes: Iterable[onnx.NodeProto], known: Callable[[str], tuple[int, ...] | None],
-                  constants: dict[str, np.ndarray]) -> dict[str, tuple[int, ...] | None]:
-    """The static shape of every output of ``nodes`` (in topological order), None where a dim is not
-    certain, computed in one pass over the finished graph for its value_info. ``known(name)``: a shape
-    already known (a forward tensor, a constant, the gradient of a tensor of static shape), else None;
-    ``constants``: values of constant inputs (axes, shapes). The common ops only: a tensor left at None
-    goes to onnx's shape inference."""
-    shapes: dict[str, tuple[int, ...] | None] = {}
-    elsewhere: dict[str, tuple[int, ...] | None] = {}      # inputs made outside ``nodes``, looked up once
-    for node in nodes:
-        outs = node.output
-        if len(outs) != 1:
-            shapes.update((o, None) for o in outs if o)
-            continue
-        out = outs[0]
-        shape = known(out)
-        if shape is None and node.op_type in _SHAPED and node.domain in ("", "ai.onnx"):
-            inputs = node.input
-            arg = []
-            for x in inputs:
-                if not x:
-                    continue                                 # an optional input left out (trailing)
-                s = shapes[x] if x in shapes else elsewhere[x] if x in elsewhere else elsewhere.setdefault(
-                    x, known(x))
-                if s is None:
-                    break
-                arg.append(s)
-            else:
-                try:
-                    shape = _shape_of_node(node.op_type, arg, inputs, node, constants) if arg else None
-                except (ValueError, KeyError, IndexError, TypeError, ZeroDivisionError):
-                    shape = None
-        shapes[out] = shape
-    return shapes
-
-
-def _attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
-    for a in node.attribute:
-        if a.name == name:
-            return helper.get_attribute_value(a)
-    return default
-
-
 def _broadcast(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
     """numpy's broadcast of static shapes (ValueError when they do not broadcast)."""
     out = tuple(shapes[0])
@@ -500,9 +481,10 @@ def _broadcast(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
     return out
 
 
-def _shape_of_node(op: str, shapes: list, inputs: Sequence[str], node: onnx.NodeProto,
-                   constants: dict[str, np.ndarray]) -> tuple[int, ...] | None:
-    """One node's static output shape from its inputs' static shapes (every input has one), or None."""
+def shape_of_op(op: str, shapes: list, inputs: Sequence[str], attrs: dict[str, Any],
+                constants: dict[str, np.ndarray]) -> tuple[int, ...] | None:
+    """The static output shape of ``op`` from its inputs' static shapes (every input has one), its
+    attributes and the values of its constant inputs (axes, shapes), or None. The common ops only."""
     def ints(i: int) -> list[int] | None:
         v = constants.get(inputs[i]) if i < len(inputs) and inputs[i] else None
         return None if v is None else [int(k) for k in np.asarray(v).reshape(-1)]
@@ -526,7 +508,7 @@ def _shape_of_node(op: str, shapes: list, inputs: Sequence[str], node: onnx.Node
             out = out[:-1]
         return out
     if op == "Transpose":
-        perm = _attr(node, "perm") or list(range(len(a)))[::-1]
+        perm = attrs.get("perm") or list(range(len(a)))[::-1]
         return tuple(a[p] for p in perm)
     if op in _REDUCE:
         if len(inputs) > 1 and inputs[1]:
@@ -534,20 +516,20 @@ def _shape_of_node(op: str, shapes: list, inputs: Sequence[str], node: onnx.Node
             if axes is None:
                 return None                       # axes known only at run time
         else:
-            axes = _attr(node, "axes")
+            axes = attrs.get("axes")
         if not axes:
-            if _attr(node, "noop_with_empty_axes", 0):
+            if attrs.get("noop_with_empty_axes", 0):
                 return a
             axes = range(len(a))
         drop = {x % len(a) for x in axes}
-        if _attr(node, "keepdims", 1):
+        if attrs.get("keepdims", 1):
             return tuple(1 if i in drop else d for i, d in enumerate(a))
         return tuple(d for i, d in enumerate(a) if i not in drop)
     if op == "Reshape":
         target = ints(1)
         if target is None:
             return None
-        allowzero = _attr(node, "allowzero", 0)
+        allowzero = attrs.get("allowzero", 0)
         out = [a[i] if t == 0 and not allowzero else t for i, t in enumerate(target)]
         if -1 in out:
             rest = int(np.prod([d for d in out if d != -1]))
@@ -556,7 +538,7 @@ def _shape_of_node(op: str, shapes: list, inputs: Sequence[str], node: onnx.Node
             out[out.index(-1)] = int(np.prod(a)) // rest
         return tuple(out) if int(np.prod(out)) == int(np.prod(a)) else None
     if op in ("Squeeze", "Unsqueeze"):
-        axes = ints(1) if len(inputs) > 1 and inputs[1] else _attr(node, "axes")
+        axes = ints(1) if len(inputs) > 1 and inputs[1] else attrs.get("axes")
         if axes is None:
             return None
         if op == "Squeeze":
@@ -568,8 +550,8 @@ def _shape_of_node(op: str, shapes: list, inputs: Sequence[str], node: onnx.Node
         return tuple(1 if i in add else next(it) for i in range(rank))
     if op == "Gemm":
         c = shapes[1]
-        m = a[1] if _attr(node, "transA", 0) else a[0]
-        n = c[0] if _attr(node, "transB", 0) else c[1]
+        m = a[1] if attrs.get("transA", 0) else a[0]
+        n = c[0] if attrs.get("transB", 0) else c[1]
         return (m, n)
     if op == "ConstantOfShape":
         dims = ints(0)
@@ -578,10 +560,10 @@ def _shape_of_node(op: str, shapes: list, inputs: Sequence[str], node: onnx.Node
         target = ints(1)
         return None if target is None else _broadcast([a, tuple(target)])
     if op == "Concat":
-        axis = _attr(node, "axis") % len(a)
+        axis = attrs.get("axis") % len(a)
         return a[:axis] + (sum(s[axis] for s in shapes),) + a[axis + 1:]
     if op == "Shape":
-        return (len(range(len(a))[slice(_attr(node, "start"), _attr(node, "end"))]),)
+        return (len(range(len(a))[slice(attrs.get("start"), attrs.get("end"))]),)
     return None
 
 

@@ -197,6 +197,38 @@ def value_info_like(name: str, like: str, types: dict[str, onnx.TypeProto], info
     return helper.make_tensor_value_info(name, dtype, None, doc_string=doc)
 
 
+def add_value_infos(graph: onnx.GraphProto, typed: Iterable[tuple[str, onnx.TypeProto]]) -> None:
+    """Append a value_info entry ``(name, type)`` for each pair, in one parse.
+
+    The entries are written in protobuf's wire format and merged into the graph at once: a
+    gradient graph has a value_info entry per tensor, and adding tens of thousands one by one
+    (``graph.value_info.add``) costs more than the rest of the shape work.
+    """
+    fields: dict[int, bytes] = {}          # the serialized type field, per TypeProto (few distinct)
+    chunks = []
+    for name, tp in typed:
+        type_field = fields.get(id(tp))
+        if type_field is None:
+            body = tp.SerializeToString()
+            type_field = fields[id(tp)] = b"\x12" + _varint(len(body)) + body       # field 2: type
+        name_bytes = name.encode()
+        entry = b"\x0a" + _varint(len(name_bytes)) + name_bytes + type_field    # field 1: name
+        chunks.append(b"\x6a" + _varint(len(entry)) + entry)               # GraphProto field 13: value_info
+    graph.MergeFromString(b"".join(chunks))
+
+
+def _varint(n: int) -> bytes:
+    """Protobuf's base-128 varint encoding of a length."""
+    if n < 0x80:
+        return bytes((n,))
+    out = bytearray()
+    while n >= 0x80:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
 def set_metadata(model: onnx.ModelProto, values: dict[str, str]) -> None:
     """Set these ``metadata_props`` keys, replacing earlier values of the same keys, keeping the others."""
     kept = [p for p in model.metadata_props if p.key not in values]
@@ -281,13 +313,14 @@ def _recover_ranks(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     unknown rank its output's rank when every other input is of lower rank; MatMul gives an operand
     the rank its output and the other operand imply. Dims not implied are left unknown."""
     g = model.graph
-    types: dict[str, onnx.TypeProto] = {}
-    for vi in list(g.input) + list(g.value_info) + list(g.output):
-        types.setdefault(vi.name, vi.type)
-    shaped = {init.name for init in g.initializer}
-    shaped.update(name for name, tp in types.items() if _shape_of(tp) is not None)
+    values = list(g.input) + list(g.value_info) + list(g.output)
+    shaped = {vi.name for vi in values if vi.type.tensor_type.HasField("shape")}
+    shaped.update(init.name for init in g.initializer)
     if all(x in shaped for n in g.node for x in n.input if x):
         return {}                   # the common case: every tensor a node reads has a shape already
+    types: dict[str, onnx.TypeProto] = {}
+    for vi in values:
+        types.setdefault(vi.name, vi.type)
     for init in g.initializer:
         types[init.name] = helper.make_tensor_type_proto(init.data_type, list(init.dims))
     found: dict[str, onnx.TypeProto] = {}
@@ -361,9 +394,14 @@ def tensor_infos(model: onnx.ModelProto) -> tuple[dict[str, TensorInfo], dict[st
     g = model.graph
     infos: dict[str, TensorInfo] = {}
     types: dict[str, onnx.TypeProto] = {}
+    made: dict[tuple, onnx.TypeProto] = {}       # one (read-only) TypeProto per type and shape
     for init in g.initializer:
-        infos[init.name] = TensorInfo(init.data_type, tuple(init.dims))
-        types[init.name] = helper.make_tensor_type_proto(init.data_type, list(init.dims))
+        key = (init.data_type, tuple(init.dims))
+        infos[init.name] = TensorInfo(*key)
+        tp = made.get(key)
+        if tp is None:
+            tp = made[key] = helper.make_tensor_type_proto(init.data_type, key[1])
+        types[init.name] = tp
     initializers = set(infos)
     for vi in list(g.value_info) + list(g.input) + list(g.output):
         if vi.name in initializers:
