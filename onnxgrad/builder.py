@@ -586,7 +586,7 @@ def _shape_of_node(op: str, shapes: list, inputs: Sequence[str], node: onnx.Node
 
 
 def rename_tensors(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None:
-    """Rename tensors where they are made and where they are read (one sweep)."""
+    """Rename tensors where they are made and where they are read (one sweep; subgraphs' outer reads too)."""
     if not renames:
         return
     for node in nodes:
@@ -596,6 +596,12 @@ def rename_tensors(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None
         for k, y in enumerate(node.output):
             if y in renames:
                 node.output[k] = renames[y]
+        for a in node.attribute:            # If/Loop/Scan bodies reading the renamed tensors
+            for sg in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs:
+                rename_tensors(sg.node, renames)
+                for o in sg.output:
+                    if o.name in renames:
+                        o.name = renames[o.name]
 
 
 class NameScope:
