@@ -221,6 +221,11 @@ def _body_model(n: Node, body: onnx.GraphProto, infos: list[TensorInfo], outer: 
             n.unsupported(f"the body reads '{name}' from the outer scope, whose type is unknown "
                           "(not a tensor, or not inferred): declare it in value_info")
         inputs.append(_value_info(name, info))
+    for vi in inputs:
+        if not vi.type.tensor_type.HasField("shape"):
+            n.unsupported(f"the body reads '{vi.name}', whose rank shape inference cannot tell (a Reshape to a "
+                          "shape computed from an If's outputs?): its gradient model needs it; declare the "
+                          "tensor's shape in value_info")
     nodes = list(body.node)
     outs, seen = [], set()
     graph_inputs = {vi.name for vi in inputs} | {t.name for t in inits}
