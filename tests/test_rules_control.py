@@ -191,3 +191,23 @@ def test_iterations_stored_not_intermediates():
     scans = [n for n in gm.graph.node if n.op_type == "Scan"]
     assert len(scans) == 2 and len(scans[0].output) == 3 + 2      # h, s, ys + hp, sp per iteration
     assert [a.i for a in scans[1].attribute if a.name == "num_scan_inputs"] == [4]   # hp, sp, x, dys
+
+
+def test_unknown_rank_is_declined():
+    """A branch reading a tensor whose rank nothing tells (a Reshape to a run-time shape) is refused, naming
+    the node and what to declare, never differentiated wrongly."""
+    model = _model("""
+m (bool c, float[6] x, int64[K] s) => (float[6] y) {
+    r = Reshape (x, s)
+    y = If (c) <then_branch = g1 () => (float[6] a) { t = Sin (r)  f = Constant <value = int64[1] {-1}> ()  a = Reshape (t, f) },
+                else_branch = g2 () => (float[6] b) { b = Identity (x) }>
+}""", 13)
+    with pytest.raises(onnxgrad.UnsupportedOpError, match=r"If_1.*rank"):
+        onnxgrad.grad(model, wrt=["x"], of=["y"])
+
+
+def test_ops_lists_control_flow():
+    from onnxgrad.coverage import coverage
+
+    status = {row.op_type: row.status for row in coverage()}
+    assert status["If"] == status["Loop"] == status["Scan"] == "rule"

@@ -408,8 +408,8 @@ def scan(n: Node):
     results = _emit(b, "Scan", init + seqs, len(out_infos),
                     [in_info[i] for i in states] + [b.infos[w] for w in outer] + [in_info[N + j] for j in xs],
                     body=bwd_body, num_scan_inputs=len(seqs), scan_input_directions=directions,
-                    scan_input_axes=axes, scan_output_directions=[1 - in_dirs[j] for j in xs],
-                    scan_output_axes=[in_axes[j] for j in xs])
+                    scan_input_axes=axes, scan_output_directions=[1 - in_dirs[j] for j in xs] or None,
+                    scan_output_axes=[in_axes[j] for j in xs] or None)
     ds, rest = results[:len(states)], results[len(states):]
     dw, dx = rest[:len(outer)], rest[len(outer):]
     n.outer_grads.update(zip(outer, dw))
