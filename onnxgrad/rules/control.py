@@ -249,8 +249,7 @@ def _body_model(n: Node, body: onnx.GraphProto, infos: list[TensorInfo], outer: 
 
 def _sub(b: Builder, what: str) -> Builder:
     """A builder for a subgraph's nodes: same names and types as ``b``, its own node list."""
-    sb = Builder(b.opset, b.names, b.infos, f"{b.prefix}/{what}", b.doc, b.constants, b.op_type)
-    return sb
+    return Builder(b.opset, b.names, b.infos, f"{b.prefix}/{what}", b.doc, b.constants, b.op_type)
 
 
 def _formal(b: Builder, base: str, info: TensorInfo) -> Var:
@@ -260,11 +259,10 @@ def _formal(b: Builder, base: str, info: TensorInfo) -> Var:
 
 
 def _emit(b: Builder, op: str, inputs: list, n_out: int, infos: list[TensorInfo], **attrs) -> list[Var]:
-    outs = b.emit(op, inputs, outputs=n_out, **attrs) if n_out else ()
+    """A control-flow node with ``n_out`` outputs typed ``infos`` (the builder cannot tell their types)."""
+    outs = b.emit(op, inputs, outputs=n_out, **attrs)
     if n_out == 1:
         outs = (outs,)
-    if not n_out:      # a node with no output is of no use
-        return []
     for v, info in zip(outs, infos):
         b.infos[v.name] = info
     return list(outs)
@@ -274,10 +272,9 @@ def _store(n: Node, body: onnx.GraphProto, attr: str, names: list[str], infos: l
            stacked: list[TensorInfo]) -> list[Var]:
     """Emit the body inputs ``names`` at each iteration as extra scan outputs of the forward node
     (stacked on axis 0, in iteration order); returns the new outputs of the forward node."""
-    p = n.proto
+    p, b = n.proto, n.b
     if not names:
         return []
-    b = n.b
     new = onnx.GraphProto()
     new.CopyFrom(body)
     outs = []
