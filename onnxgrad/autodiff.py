@@ -160,6 +160,7 @@ class _Pass:
         """Nodes between wrt and the outputs, with the input positions each must differentiate."""
         requires = set(self.wrt)
         path, unsupported, reasons = [], {}, {}
+        self._outer_needed: dict[int, frozenset[str]] = {}     # If/Loop/Scan: outer reads needing gradients
         for node in self.nodes:
             rule = G.rule_of(node)
             positions = self._positions_of(node)
@@ -173,6 +174,9 @@ class _Pass:
             if not outs:            # nothing downstream of this node is differentiated
                 continue
             requires.update(outs)
+            if inner:
+                self._outer_needed[id(node)] = frozenset(
+                    x for x in inner if M.is_float(self.infos.get(x)))
             if rule is None:
                 unsupported.setdefault(node.op_type, node.name)
                 why = G.why_no_rule(node)
@@ -221,8 +225,11 @@ class _Pass:
                 continue
             b = root.scoped(f"{node.name}/grad", f"gradient of node '{node.name}' ({node.op_type})", node.op_type,
                             node.metadata_props)
-            grads = rule.fn(Node(node, b, dys, needed))
+            n = Node(node, b, dys, needed, self._outer_needed.get(id(node), frozenset()))
+            grads = rule.fn(n)
             self._collect(node, rule, b, grads, needed)
+            for name, g in n.outer_grads.items():      # outer-scope tensors a subgraph reads
+                self.contributions.setdefault(name, []).append(g)
             groups.append((node, first, len(root.nodes)))
 
         grad_outputs = []

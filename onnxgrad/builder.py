@@ -568,7 +568,7 @@ def shape_of_op(op: str, shapes: list, inputs: Sequence[str], attrs: dict[str, A
 
 
 def rename_tensors(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None:
-    """Rename tensors where they are made and where they are read (one sweep)."""
+    """Rename tensors where they are made and where they are read (one sweep; subgraphs' outer reads too)."""
     if not renames:
         return
     for node in nodes:
@@ -578,6 +578,12 @@ def rename_tensors(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None
         for k, y in enumerate(node.output):
             if y in renames:
                 node.output[k] = renames[y]
+        for a in node.attribute:            # If/Loop/Scan bodies reading the renamed tensors
+            for sg in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs:
+                rename_tensors(sg.node, renames)
+                for o in sg.output:
+                    if o.name in renames:
+                        o.name = renames[o.name]
 
 
 class NameScope:

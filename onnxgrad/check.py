@@ -141,8 +141,12 @@ def _node_to_double(node: onnx.NodeProto) -> None:
         elif a.name in _TYPE_ATTRIBUTES and a.type == onnx.AttributeProto.INT and a.i in _TO_DOUBLE:
             a.i = TensorProto.DOUBLE
         elif a.type == onnx.AttributeProto.GRAPH:
-            for n in a.g.node:
-                _node_to_double(n)
+            _subgraph_to_double(a.g)
+        elif a.type == onnx.AttributeProto.GRAPHS:
+            for sg in a.graphs:
+                _subgraph_to_double(sg)
+    if node.op_type == "ConstantOfShape" and not node.attribute:     # float32 zeros by default
+        node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.zeros(1, np.float64))))
     if node.op_type in _STASHING and not any(a.name == "stash_type" for a in node.attribute):
         node.attribute.append(helper.make_attribute("stash_type", TensorProto.DOUBLE))  # default: float32
     if node.op_type == "Constant" and node.attribute[0].name in ("value_float", "value_floats"):
@@ -150,6 +154,18 @@ def _node_to_double(node: onnx.NodeProto) -> None:
         value = np.array(a.f if a.name == "value_float" else list(a.floats), np.float64)
         del node.attribute[:]
         node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(value)))
+
+
+def _subgraph_to_double(g: onnx.GraphProto) -> None:
+    """An If/Loop/Scan body in float64: its declared types, initializers and nodes."""
+    for vi in list(g.input) + list(g.output) + list(g.value_info):
+        if vi.type.tensor_type.elem_type in _TO_DOUBLE:
+            vi.type.tensor_type.elem_type = TensorProto.DOUBLE
+    for i, init in enumerate(g.initializer):
+        if init.data_type in _TO_DOUBLE:
+            g.initializer[i].CopyFrom(_double_tensor(init))
+    for n in g.node:
+        _node_to_double(n)
 
 
 def _as_inputs(model: onnx.ModelProto, names: list[str]) -> onnx.ModelProto:

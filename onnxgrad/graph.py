@@ -29,17 +29,21 @@ _STANDARD = ("", "ai.onnx")
 
 
 def rule_of(node: onnx.NodeProto) -> Rule | None:
-    """The gradient rule of a standard op without subgraphs; None for the rest (no rule)."""
-    if node.domain not in _STANDARD or M.has_subgraph(node):
+    """The gradient rule of a standard op (one with subgraphs only if its rule differentiates them:
+    If, Loop, Scan); None for the rest (no rule)."""
+    if node.domain not in _STANDARD:
         return None
-    return get_rule(node.op_type)
+    rule = get_rule(node.op_type)
+    if rule is not None and not rule.subgraphs and M.has_subgraph(node):
+        return None
+    return rule
 
 
 def why_no_rule(node: onnx.NodeProto) -> str | None:
     """The reason a node has no gradient rule, where there is one to give (custom domain, control flow)."""
     if node.domain not in _STANDARD:
         return f"custom domain '{node.domain}'"
-    if M.has_subgraph(node):
+    if M.has_subgraph(node) and rule_of(node) is None:
         return "control flow with subgraphs"
     return None
 

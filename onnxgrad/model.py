@@ -269,7 +269,7 @@ def infer(model: onnx.ModelProto) -> onnx.ModelProto:
     except Exception:
         return model
     for _ in range(4):
-        recovered = _recover_ranks(inferred)
+        recovered = {**_carried_shapes(inferred), **_recover_ranks(inferred)}
         if not recovered:
             break
         g = inferred.graph
@@ -305,6 +305,31 @@ def _shape_of(tp: onnx.TypeProto | None) -> onnx.TensorShapeProto | None:
     if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
         return None
     return tp.tensor_type.shape
+
+
+def _carried_shapes(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """The shapes of Loop/Scan state outputs onnx's inference leaves unknown (a carried value may change shape):
+    where the initial value and the body's declared output have the same shape, every iteration keeps it."""
+    g = model.graph
+    types = {vi.name: vi.type for vi in list(g.input) + list(g.value_info) + list(g.output)}
+    for init in g.initializer:
+        types[init.name] = helper.make_tensor_type_proto(init.data_type, list(init.dims))
+    found = {}
+    for node in g.node:
+        if node.op_type not in ("Loop", "Scan") or node.domain not in ("", "ai.onnx"):
+            continue
+        body = next(a.g for a in node.attribute if a.name == "body")
+        if node.op_type == "Loop":
+            pairs = zip(node.input[2:], body.output[1:], node.output)
+        else:
+            m = next(a.i for a in node.attribute if a.name == "num_scan_inputs")
+            pairs = zip(node.input[:len(node.input) - m], body.output, node.output)
+        for init, declared, out in pairs:
+            start, kept = _shape_of(types.get(init)), _shape_of(declared.type)
+            if (out and _shape_of(types.get(out)) is None and start is not None and kept is not None
+                    and start == kept and all(d.HasField("dim_value") for d in start.dim)):
+                found[out] = declared.type
+    return found
 
 
 def _recover_ranks(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:

@@ -11,7 +11,7 @@ import math
 import numpy as np
 from onnx import helper
 from onnx.reference.op_run import OpRun
-from onnx.reference.ops import op_batch_normalization, op_conv_transpose
+from onnx.reference.ops import op_batch_normalization, op_conv_transpose, op_loop
 from onnx.reference.ops.op_causal_conv_with_state import CausalConvWithState as _RefCausalConv
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -336,5 +336,36 @@ class BatchNormalization(op_batch_normalization.BatchNormalization_14):
         return (y.astype(x.dtype),)
 
 
-KERNELS = [BatchNormalization, LayerNormalization, MaxUnpool, MeanVarianceNormalization, Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState, LinearAttention,
+class Loop(op_loop.Loop):
+    """Scan outputs stacked on a new axis 0 ([T, *shape]), as the spec and onnxruntime do: onnx.reference
+    uses np.vstack, which gives [T, 1] for scalars and [T * d0, ...] for tensors of rank 2 and more."""
+
+    op_domain = ""
+
+    def _run(self, M, cond, *args, context=None, body=None, attributes=None, bindings=None):
+        body = self.body
+        names = body.input_names
+        inputs = dict.fromkeys(names)
+        inputs.update(zip(names[2:], args))
+        if context is not None:
+            inputs.update(context)
+        stacked = [[] for _ in range(self.K)]
+        it = 0
+        carried = list(args)
+        while (cond is None or cond) and (M is None or it < M):
+            if names[0]:
+                inputs[names[0]] = np.array(it, dtype=np.int64)
+            if len(names) > 1 and names[1]:
+                inputs[names[1]] = np.array(True) if cond is None else cond
+            outputs = self._run_body(inputs, attributes=attributes, bindings=bindings)
+            for k in range(self.K):
+                stacked[k].append(outputs[-self.K + k])
+            cond = outputs[self.output_index[body.output_names[0]]]
+            carried = [outputs[self.output_index[o]] for o in body.output_names[1:1 + self.N]]
+            inputs.update(zip(names[2:], carried))
+            it += 1
+        return tuple(carried) + tuple(np.stack(x) if x else np.empty((0,)) for x in stacked)
+
+
+KERNELS = [Loop, BatchNormalization, LayerNormalization, MaxUnpool, MeanVarianceNormalization, Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState, LinearAttention,
            *_RECURRENT]

@@ -19,6 +19,10 @@ input of the forward node: a :class:`Var` (the gradient of that input), or
   although the function has a derivative that PyTorch computes (Clip's bounds,
   GridSample's grid, the recurrent ops' initial states, ...). They carry
   gradients by default; ``strict=True`` follows the tags alone.
+- ``inputs_from``: every input from this position on (variadic inputs of untagged schemas: Loop, Scan).
+- ``subgraphs``: the rule differentiates a node with subgraphs (If, Loop, Scan): it also gets the
+  gradients of the outer-scope tensors the bodies read (``n.outer_needed``) and returns them in
+  ``n.outer_grads``.
 - ``stop``: the op's derivative is zero or undefined everywhere it matters
   (Floor, Sign, ArgMax, ...): gradients stop here, silently.
 """
@@ -51,6 +55,8 @@ class Rule:
     doc: str = ""
     beyond_tags: tuple[int, ...] = ()
     zero_derivative: bool = False
+    inputs_from: int | None = None
+    subgraphs: bool = False
 
     def differentiable_inputs(self, schema: onnx.defs.OpSchema | None, n_inputs: int,
                               strict: bool = False) -> tuple[int, ...]:
@@ -58,7 +64,9 @@ class Rule:
         plus the positions it differentiates beyond the tags (as PyTorch does) unless ``strict``."""
         if self.stop:
             return ()
-        if self.inputs is not None:
+        if self.inputs_from is not None:
+            own = tuple(range(self.inputs_from, n_inputs))
+        elif self.inputs is not None:
             own = tuple(i for i in self.inputs if i < n_inputs)
         else:
             own = schema_differentiable_inputs(schema, n_inputs)
@@ -73,13 +81,14 @@ _RULES: dict[str, Rule] = {}
 
 
 def register(*op_types: str, broadcast: bool = False, inputs: Sequence[int] | None = None,
-             beyond_tags: Sequence[int] = ()):
+             beyond_tags: Sequence[int] = (), inputs_from: int | None = None, subgraphs: bool = False):
     """Decorator: register ``fn`` as the gradient rule of ``op_types``."""
 
     def deco(fn: Callable[["Node"], Gradients]):
         for op in op_types:
             _RULES[op] = Rule(op, fn, broadcast, tuple(inputs) if inputs is not None else None,
-                              doc=(fn.__doc__ or "").strip(), beyond_tags=tuple(beyond_tags))
+                              doc=(fn.__doc__ or "").strip(), beyond_tags=tuple(beyond_tags),
+                              inputs_from=inputs_from, subgraphs=subgraphs)
         return fn
 
     return deco
@@ -139,10 +148,15 @@ class Node:
     ``n.dy``: gradient of the first output; ``n.dys[i]`` of output i (None when no gradient reaches it).
     ``n.needs(i)``: whether the pass wants the gradient of input i (rules may skip work otherwise).
     ``n.op``: emit any ai.onnx op, e.g. ``n.op.Conv(dy, w, strides=[2, 2])``.
+    ``n.outer_needed`` / ``n.outer_grads``: for If/Loop/Scan, the outer-scope tensors their bodies read
+    that need a gradient, and the rule's gradients of them.
     """
 
-    def __init__(self, proto: onnx.NodeProto, b: Builder, dys: list[Var | None], needed: set[int]):
+    def __init__(self, proto: onnx.NodeProto, b: Builder, dys: list[Var | None], needed: set[int],
+                 outer_needed: frozenset[str] = frozenset()):
         self.proto = proto
+        self.outer_needed = outer_needed     # outer-scope tensors the subgraphs read that need gradients
+        self.outer_grads: dict[str, Var] = {}   # their gradients, set by a rule with ``subgraphs``
         self.b = b
         self.op = b.op
         self.opset = b.opset

@@ -1,0 +1,213 @@
+"""Gradients through If, Loop and Scan: a table of control-flow models, first and second order.
+
+Each model is checked as every rule is: the gradient graph in onnxruntime (float32) and in float64
+against float64 central differences of the forward, at opset 13 and at the newest opset onnxruntime
+runs; then grad(grad(model)) against central differences of the first gradient model.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx.parser
+import pytest
+
+import onnxgrad
+from onnxgrad.check import Runner, check, gradient_spec, run_float64
+
+from harness import RNG
+
+OPSETS = (13, onnxgrad.model.runtime_max_opset())
+
+
+def _model(text: str, opset: int) -> onnx.ModelProto:
+    m = onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : {opset}]>\n' + text)
+    m.ir_version = onnxgrad.model.emitted_ir_version(m)
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def _f(*shape, low=-1.0, high=1.0):
+    return RNG.uniform(low, high, shape).astype(np.float32)
+
+
+# name -> (model text, feeds, wrt); every float graph input is differentiated unless wrt says
+IF_OUTER = ("""
+m (bool c, float[3] x, float[3] w) => (float[3] y) {
+    y = If (c) <then_branch = g1 () => (float[3] a) { t = Mul (x, w)  a = Tanh (t) },
+                else_branch = g2 () => (float[3] b) { b = Mul (x, x) }>
+}""")
+IF_NESTED = ("""
+m (bool c, bool d, float[2,3] x, float[3] w, float[3] v) => (float[2,3] y, float[2,3] z) {
+    y, z = If (c) <
+      then_branch = g1 () => (float[2,3] a, float[2,3] a2) {
+        a = If (d) <then_branch = h1 () => (float[2,3] p) { q = Mul (x, w)  p = Sin (q) },
+                    else_branch = h2 () => (float[2,3] r) { r = Add (x, v) }>
+        a2 = Mul (a, x)
+      },
+      else_branch = g2 () => (float[2,3] b, float[2,3] b2) { b = Sub (x, w)  b2 = Identity (x) }>
+}""")
+SCAN_RNN = ("""
+m (float[2,4] h0, float[2,4] s0, float[5,2,3] xs, float[3,4] W, float[4,4] U) => (float[2,4] h, float[2,4] s, float[5,2,4] ys) {
+    h, s, ys = Scan (h0, s0, xs) <num_scan_inputs = 1, body = step (float[2,4] hp, float[2,4] sp, float[2,3] x) => (float[2,4] hn, float[2,4] sn, float[2,4] y) {
+        a = MatMul (x, W)
+        r = MatMul (hp, U)
+        pre = Add (a, r)
+        hn = Tanh (pre)
+        sn = Add (sp, hn)
+        y = Mul (hn, sp)
+    }>
+}""")
+SCAN_AXES = ("""
+m (float[3] s0, float[2,4,3] xa, float[4,3] xb, float[3] w) => (float[3] s, float[3,2,4] ya, float[4,3] yb) {
+    s, ya, yb = Scan (s0, xa, xb) <num_scan_inputs = 2, scan_input_axes = [1, 0], scan_input_directions = [1, 0],
+                                   scan_output_axes = [-1, 0], scan_output_directions = [0, 1],
+      body = step (float[3] sp, float[2,3] a, float[3] b) => (float[3] sn, float[3,2] oa, float[3] ob) {
+        ab = Mul (a, b)
+        zero = Constant <value = int64[1] {0}> ()
+        red = ReduceSum <keepdims = 0> (ab, zero)
+        q = Mul (sp, w)
+        sn = Add (q, red)
+        at = Transpose (a)
+        e = Sin (sp)
+        one = Constant <value = int64[1] {1}> ()
+        eu = Unsqueeze (e, one)
+        oa = Mul (at, eu)
+        ob = Mul (sn, b)
+    }>
+}""")
+LOOP = """
+m (int64 M, float[2,3] h0, float[3,3] W, float[3] b) => (float[2,3] h, float[{trips},2,3] hs) {{
+    t = Constant <value = bool {{1}}> ()
+    h, hs = Loop ({m}, t, h0) <body = step (int64 i, bool c, float[2,3] hp) => (bool co, float[2,3] hn, float[2,3] y) {{
+        co = Identity (c)
+        a = MatMul (hp, W)
+        fi = Cast <to = 1> (i)
+        sb = Mul (b, fi)
+        pre = Add (a, sb)
+        hn = Tanh (pre)
+        y = Mul (hn, hp)
+    }}>
+}}"""
+LOOP_STATIC = LOOP.format(trips=4, m="four").replace("    t = ", "    four = Constant <value = int64 {4}> ()\n    t = ").replace(
+    "int64 M, ", "")
+LOOP_DYNAMIC = LOOP.format(trips="T", m="M")
+LOOP_EARLY = ("""
+m (float[3] h0, float[3] w, float limit) => (float[3] h, float[N,3] hs) {
+    t = Constant <value = bool {1}> ()
+    none = Constant <value = int64 {100}> ()
+    h, hs = Loop (none, t, h0) <body = step (int64 i, bool c, float[3] hp) => (bool co, float[3] hn, float[3] y) {
+        q = Mul (hp, w)
+        hn = Add (q, w)
+        y = Sin (hn)
+        tot = ReduceSum <keepdims = 0> (hn)
+        co = Less (tot, limit)
+    }>
+}""")
+LOOP_NESTED_IF = ("""
+m (float[3] h0, float[3] w, float[3] v) => (float[3] h) {
+    three = Constant <value = int64 {3}> ()
+    two = Constant <value = int64 {2}> ()
+    t = Constant <value = bool {1}> ()
+    h = Loop (three, t, h0) <body = outer (int64 i, bool c, float[3] hp) => (bool co, float[3] hn) {
+        co = Identity (c)
+        g = Loop (two, c, hp) <body = inner (int64 j, bool c2, float[3] gp) => (bool co2, float[3] gn) {
+            co2 = Identity (c2)
+            m1 = Mul (gp, w)
+            gn = Sin (m1)
+        }>
+        one = Constant <value = int64 {1}> ()
+        odd = Mod (i, two)
+        isodd = Equal (odd, one)
+        hn = If (isodd) <then_branch = a () => (float[3] p) { p = Add (g, v) },
+                         else_branch = b () => (float[3] r) { r = Mul (g, v) }>
+    }>
+}""")
+
+CASES = {
+    "if_then": (IF_OUTER, lambda: {"c": np.array(True), "x": _f(3), "w": _f(3)}),
+    "if_else": (IF_OUTER, lambda: {"c": np.array(False), "x": _f(3), "w": _f(3)}),
+    "if_nested": (IF_NESTED, lambda: {"c": np.array(True), "d": np.array(True), "x": _f(2, 3), "w": _f(3),
+                                      "v": _f(3)}),
+    "if_nested_else": (IF_NESTED, lambda: {"c": np.array(True), "d": np.array(False), "x": _f(2, 3),
+                                           "w": _f(3), "v": _f(3)}),
+    "scan_rnn": (SCAN_RNN, lambda: {"h0": _f(2, 4), "s0": _f(2, 4), "xs": _f(5, 2, 3), "W": _f(3, 4),
+                                    "U": _f(4, 4)}),
+    "scan_axes_directions": (SCAN_AXES, lambda: {"s0": _f(3), "xa": _f(2, 4, 3), "xb": _f(4, 3),
+                                                 "w": _f(3, low=0.5, high=0.9)}),
+    "loop_static": (LOOP_STATIC, lambda: {"h0": _f(2, 3), "W": _f(3, 3), "b": _f(3)}),
+    "loop_dynamic": (LOOP_DYNAMIC, lambda: {"M": np.array(3, np.int64), "h0": _f(2, 3), "W": _f(3, 3),
+                                            "b": _f(3)}),
+    # w > 0 grows the sum each trip: the loop ends after 4 trips, well inside the limit's margins
+    "loop_early_exit": (LOOP_EARLY, lambda: {"h0": np.array([0.1, 0.2, 0.3], np.float32),
+                                             "w": np.array([0.5, 0.6, 0.7], np.float32),
+                                             "limit": np.array(7.0, np.float32)}),
+    "loop_nested_if": (LOOP_NESTED_IF, lambda: {"h0": _f(3), "w": _f(3), "v": _f(3)}),
+}
+
+
+def _floats(model, feeds):
+    return [vi.name for vi in model.graph.input if feeds[vi.name].dtype == np.float32]
+
+
+@pytest.mark.parametrize("opset", OPSETS)
+@pytest.mark.parametrize("name", list(CASES))
+def test_first_order(name, opset):
+    text, make = CASES[name]
+    model, feeds = _model(text, opset), make()
+    wrt = _floats(model, feeds)
+    gm = onnxgrad.grad(model, wrt=wrt, of=[o.name for o in model.graph.output])
+    onnx.checker.check_model(gm, full_check=True)
+    assert Runner(gm, strict=True).backend == "onnxruntime"        # stock onnxruntime runs it
+    r32 = check(model, gm, feeds, max_elements=48)
+    assert r32.grad_backend == "onnxruntime" and r32.ok(2e-3), f"{name}: float32 errors {r32.errors}"
+    r64 = check(model, gm, feeds, max_elements=48, analytic_run=run_float64)
+    assert r64.ok(1e-6), f"{name}: float64 errors {r64.errors}"
+    assert any(a.any() for a in r64.analytic.values())            # a gradient of zeros proves nothing
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_second_order(name):
+    """grad(grad(m)): the first gradient model's gradients (of its inputs and of its seeds), checked."""
+    text, make = CASES[name]
+    model, feeds = _model(text, OPSETS[-1]), make()
+    wrt = _floats(model, feeds)
+    of = [o.name for o in model.graph.output]
+    gm = onnxgrad.grad(model, wrt=wrt, of=of)
+    spec = gradient_spec(gm)
+    forward = Runner(model)(feeds)
+    rng = np.random.default_rng(7)
+    feeds = {**feeds, **{spec["seeds"][o]: rng.standard_normal(forward[o].shape).astype(np.float32) for o in of}}
+    ggm = onnxgrad.grad(gm, wrt=wrt + list(spec["seeds"].values()), of=list(spec["gradients"].values()),
+                        allow_unused=True)
+    onnx.checker.check_model(ggm, full_check=True)
+    r = check(gm, ggm, feeds, max_elements=24, analytic_run=run_float64)
+    assert r.ok(1e-5), f"{name}: second-order errors {r.errors}"
+
+
+def test_iterations_stored_not_intermediates():
+    """The forward Scan stores the state at each step (its extra scan outputs), nothing more."""
+    model = _model(SCAN_RNN, OPSETS[-1])
+    gm = onnxgrad.grad(model, wrt=["W", "U"], of=["ys"])
+    scans = [n for n in gm.graph.node if n.op_type == "Scan"]
+    assert len(scans) == 2 and len(scans[0].output) == 3 + 2      # h, s, ys + hp, sp per iteration
+    assert [a.i for a in scans[1].attribute if a.name == "num_scan_inputs"] == [4]   # hp, sp, x, dys
+
+
+def test_unknown_rank_is_declined():
+    """A branch reading a tensor whose rank nothing tells (a Reshape to a run-time shape) is refused, naming
+    the node and what to declare, never differentiated wrongly."""
+    model = _model("""
+m (bool c, float[6] x, int64[K] s) => (float[6] y) {
+    r = Reshape (x, s)
+    y = If (c) <then_branch = g1 () => (float[6] a) { t = Sin (r)  f = Constant <value = int64[1] {-1}> ()  a = Reshape (t, f) },
+                else_branch = g2 () => (float[6] b) { b = Identity (x) }>
+}""", 13)
+    with pytest.raises(onnxgrad.UnsupportedOpError, match=r"If_1.*rank"):
+        onnxgrad.grad(model, wrt=["x"], of=["y"])
+
+
+def test_ops_lists_control_flow():
+    from onnxgrad.coverage import coverage
+
+    status = {row.op_type: row.status for row in coverage()}
+    assert status["If"] == status["Loop"] == status["Scan"] == "rule"
