@@ -567,6 +567,9 @@ def shape_of_op(op: str, shapes: list, inputs: Sequence[str], attrs: dict[str, A
     return None
 
 
+_WITH_BODIES = frozenset({"If", "Loop", "Scan"})      # the ai.onnx ops with subgraph attributes
+
+
 def rename_tensors(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None:
     """Rename tensors where they are made and where they are read (one sweep; subgraphs' outer reads too)."""
     if not renames:
@@ -578,6 +581,8 @@ def rename_tensors(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None
         for k, y in enumerate(node.output):
             if y in renames:
                 node.output[k] = renames[y]
+        if node.op_type not in _WITH_BODIES:
+            continue
         for a in node.attribute:            # If/Loop/Scan bodies reading the renamed tensors
             for sg in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs:
                 rename_tensors(sg.node, renames)

@@ -311,6 +311,8 @@ def _carried_shapes(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """The shapes of Loop/Scan state outputs onnx's inference leaves unknown (a carried value may change shape):
     where the initial value and the body's declared output have the same shape, every iteration keeps it."""
     g = model.graph
+    if not any(node.op_type in ("Loop", "Scan") for node in g.node):
+        return {}
     types = {vi.name: vi.type for vi in list(g.input) + list(g.value_info) + list(g.output)}
     for init in g.initializer:
         types[init.name] = helper.make_tensor_type_proto(init.data_type, list(init.dims))
