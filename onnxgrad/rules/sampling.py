@@ -566,22 +566,27 @@ def _roi_align_max(n: Node, x: Var, batch: Var, index: Var, weight: Var, exist: 
     index = n.op.Reshape(n.op.Transpose(index, perm=perm), flat)                         # (R, L, T)
     weight = n.op.Reshape(n.op.Transpose(weight, perm=perm), flat)
     channels, pixels = _dim(n, x, 1), _mul(n, sizes[0], sizes[1])
-    images = n.op.Reshape(n.op.Gather(x, batch, axis=0), _ints(n, [0, channels, -1]))    # (R, C, H*W)
-    shape = n.op.Concat(b.shape_of(images, 0, 2), b.shape_of(index, 1, 3), axis=0)       # (R, C, L, T)
-    taps = n.op.Expand(b.unsqueeze(index, [1]), shape)
-    values = n.op.GatherElements(images, n.op.Reshape(taps, _ints(n, [0, channels, -1])), axis=2)
-    values = n.op.Reshape(values, shape) * b.unsqueeze(weight, [1])
+    c = n.op.Range(b.const(np.array(0, np.int64)), n.op.Squeeze(_tensor(n, channels), b.ints([0])),
+                   b.const(np.array(1, np.int64)))
+    r = n.op.Range(b.const(np.array(0, np.int64)), n.op.Squeeze(b.shape_of(batch), b.ints([0])),
+                   b.const(np.array(1, np.int64)))
+    taps = b.unsqueeze(index, [1])                                                        # (R, 1, L, T)
+    # flat positions (plain Gathers: onnx.reference's GatherElements takes at most 64 positions per row)
+    plane = n.op.Add(n.op.Mul(b.unsqueeze(r, [1]), _tensor(n, channels)), b.unsqueeze(c, [0]))      # (R, C)
+    images = n.op.Reshape(n.op.Gather(x, batch, axis=0), b.ints([-1]))                   # R * C * H * W
+    values = n.op.Gather(images, n.op.Add(n.op.Mul(b.unsqueeze(plane, [2, 3]), _tensor(n, pixels)), taps))
+    values = values * b.unsqueeze(weight, [1])                                            # (R, C, L, T)
     if exist is not None:
         exist = n.op.Reshape(n.op.Transpose(n.op.Expand(exist, full), perm=perm), flat)
         values = n.op.Where(b.unsqueeze(exist, [1]), values, b.scalar(-np.inf, values))
-    pick = n.op.ArgMax(values, axis=3, keepdims=1)                                      # (R, C, L, 1)
-    tap = n.op.GatherElements(taps, pick, axis=3)
-    w = n.op.GatherElements(n.op.Expand(b.unsqueeze(weight, [1]), shape), pick, axis=3)
+    pick = n.op.ArgMax(values, axis=3, keepdims=1)                                       # (R, C, L, 1)
+    chosen = n.op.Equal(n.op.Range(b.const(np.array(0, np.int64)), n.op.Squeeze(b.shape_of(index, 2, 3), b.ints([0])),
+                                   b.const(np.array(1, np.int64))), pick)                # (R, C, L, T)
+    tap = b.sum(n.op.Where(chosen, taps, b.const(np.array(0, np.int64))), [3])           # (R, C, L, 1)
+    w = b.sum(n.op.Where(chosen, b.unsqueeze(weight, [1]), b.scalar(0.0, values)), [3])
     update = n.op.Reshape(n.dy, b.ints([0, 0, -1, 1])) * w
-    c = n.op.Range(b.const(np.array(0, np.int64)), n.op.Squeeze(_tensor(n, channels), b.ints([0])),
-                   b.const(np.array(1, np.int64)))
-    plane = n.op.Add(n.op.Mul(b.unsqueeze(batch, [1]), _tensor(n, channels)), b.unsqueeze(c, [0]))  # (R, C)
-    where = n.op.Add(n.op.Mul(b.unsqueeze(plane, [2, 3]), _tensor(n, pixels)), tap)
+    image = n.op.Add(n.op.Mul(b.unsqueeze(batch, [1]), _tensor(n, channels)), b.unsqueeze(c, [0]))  # (R, C)
+    where = n.op.Add(n.op.Mul(b.unsqueeze(image, [2, 3]), _tensor(n, pixels)), tap)
     zeros = _zeros(n, b.shape_of(n.op.Reshape(x, b.ints([-1]))), n.dy)
     grad = n.op.ScatterElements(zeros, n.op.Reshape(where, b.ints([-1])), n.op.Reshape(update, b.ints([-1])),
                                 axis=0, reduction="add")
