@@ -317,3 +317,35 @@ def range_(n):
         index = n.op.Range(n.b.scalar(0.0, y), count, n.b.scalar(1.0, y))
         ddelta = n.b.sum(n.dy * index, keepdims=False)
     return dstart, None, ddelta
+
+
+@register("DequantizeLinear", inputs=(1,))
+def dequantize_linear(n):
+    """y = (x - zero_point) * scale, scale per tensor, per slice along ``axis``, or per block of ``block_size``:
+    d scale = sum of dy * (x - zero_point) over the elements each scale multiplies (x is integer: no gradient)
+
+    x - zero_point is the op itself with a scale of ones, in y's type.
+    """
+    x, scale = n.inputs[0], n.inputs[1]
+    attrs = {k: n.attr(k) for k in ("axis", "block_size", "output_dtype") if n.has_attr(k)}
+    centred = n.op.DequantizeLinear(x, n.b.fill_like(scale, 1.0), n.input(2), **attrs)
+    prod = n.b.cast_like(n.dy * centred, scale)
+    if scale.rank == 0 or scale.shape == (1,) and not n.attr("block_size", 0):
+        return (None, n.b.reshape_like(n.b.sum(prod, None, keepdims=False), scale), None)
+    rank = x.rank
+    if rank is None:
+        n.unsupported("DequantizeLinear with a per-axis or blocked scale needs the rank of x")
+    axis = n.attr("axis", 1) % rank
+    block = n.attr("block_size", 0)
+    if not block:                                       # per axis: scale is [x.shape[axis]]
+        return (None, n.b.sum(prod, [k for k in range(rank) if k != axis], keepdims=False), None)
+    size = x.shape[axis] if x.shape is not None else None
+    if size is None or size % block:
+        n.unsupported("DequantizeLinear with blocks needs x's size along axis known and a multiple of block_size")
+    split = n.b.ints([size // block, block])
+    if x.info.static:
+        dims = n.b.ints(list(x.shape[:axis]) + [size // block, block] + list(x.shape[axis + 1:]))
+    else:
+        dims = n.op.Concat(n.b.shape_of(x, 0, axis), split, n.b.shape_of(x, axis + 1, rank), axis=0)
+    blocks = n.op.Reshape(prod, dims)                   # the blocks along axis split out: [..., D / B, B, ...]
+    return (None, n.b.sum(blocks, [axis + 1], keepdims=False), None)
