@@ -349,3 +349,22 @@ def dequantize_linear(n):
         dims = n.op.Concat(n.b.shape_of(x, 0, axis), split, n.b.shape_of(x, axis + 1, rank), axis=0)
     blocks = n.op.Reshape(prod, dims)                   # the blocks along axis split out: [..., D / B, B, ...]
     return (None, n.b.sum(blocks, [axis + 1], keepdims=False), None)
+
+
+@register("DynamicQuantizeLinear", inputs=(0,))
+def dynamic_quantize_linear(n):
+    """y_scale = (max(0, max x) - min(0, min x)) / 255 (y and y_zero_point are integers: no gradient):
+    dx = d y_scale / 255 * ([x = max x] [max x > 0] / #max - [x = min x] [min x < 0] / #min), ties shared
+    evenly as PyTorch's amax/amin"""
+    x, ds = n.inputs[0], n.dys[1]
+    if ds is None:
+        return (None,)
+    b, zero = n.b, n.b.scalar(0.0, x)
+    parts = []
+    for op, keep, sign in (("ReduceMax", "Greater", 1.0), ("ReduceMin", "Less", -1.0)):
+        m = b.reduce(op, x, None, keepdims=True)
+        at = b.cast_like(n.op.Equal(x, m), x)
+        active = b.cast_like(getattr(n.op, keep)(m, zero), x)
+        parts.append(at * (active * sign) / b.sum(at, None, keepdims=True))
+    return ((parts[0] + parts[1]) * (n.op.Reshape(ds, b.ints([1] * x.rank)) / 255.0),) if x.rank else (
+        (parts[0] + parts[1]) * ds / 255.0,)
