@@ -694,7 +694,11 @@ def col2im(n):
 
 @register("MaxUnpool")
 def max_unpool(n):
-    """y.flat[I] = x, zeros elsewhere:  dx = dy.flat[I]  (I as MaxPool's Indices: distinct positions)"""
+    """y.flat[I] = x, zeros elsewhere:  dx = dy.flat[I]  (I as MaxPool's Indices: distinct positions)
+
+    With output_shape, I indexes the output_shape tensor, as onnxruntime and PyTorch (max_unpool's
+    output_size) read it; onnx.reference reads I in the default shape and pastes that block at the origin,
+    a forward onnxruntime marks as a results mismatch (test_maxunpool_export_with_output_shape, onnx#2398)."""
     flat = n.op.Reshape(n.dy, n.b.ints([-1]))
     return (n.op.Gather(flat, n.inputs[1], axis=0), None, None)[:len(n.inputs)]
 
