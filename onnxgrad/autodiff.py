@@ -150,6 +150,10 @@ class _Pass:
             if name not in self.known:
                 raise UnknownNameError(
                     f"wrt '{name}' is not a graph input, initializer or node output of the model")
+            kind = M.container_kind(self.infos.get(name))
+            if kind is not None:
+                raise NonFloatError(f"wrt '{name}' is a {kind}, not a tensor; differentiate with respect to the "
+                                    "tensors it is made of")
             if not M.is_float(self.infos.get(name)):
                 dtype = helper.tensor_dtype_to_string(self.infos[name].dtype)
                 raise NonFloatError(f"wrt '{name}' is a {dtype} tensor; only float tensors have gradients")
@@ -298,6 +302,9 @@ class _Pass:
         if name in self.total:
             return self.total[name]
         parts = self.contributions.pop(name, [])
+        kind = M.container_kind(self.infos.get(name))
+        if kind is not None and parts:      # a sequence or optional: not a tensor, never named '<x>_grad'
+            return self._container_gradient(name, kind, parts)
         if not parts:
             total = None
         elif len(parts) == 1:
@@ -311,6 +318,16 @@ class _Pass:
         self.total[name] = total
         if total is not None:
             self._claim(name, total)
+        return total
+
+    def _container_gradient(self, name: str, kind: str, parts: list):
+        """The gradient of a sequence (a :class:`~onnxgrad.rules.sequence.SequenceGrad`, read by its producer's
+        rule) or of an optional (one optional; several are summed element by element)."""
+        from .rules.sequence import accumulate
+
+        owner = self.producer[name].name if name in self.producer else name
+        b = self.root.scoped(f"{owner}/grad", f"sum of the gradients reaching '{name}'", "Sum")
+        self.total[name] = total = accumulate(b, name, kind, parts)
         return total
 
     def _claim(self, name: str, total: Var) -> None:
@@ -349,8 +366,11 @@ class _Pass:
             if i not in needed:
                 continue
             if not isinstance(g, Var):
-                raise RuleError(f"rule for {node.op_type} returned {type(g).__name__} for input {i}")
-            if rule.broadcast:
+                from .rules.sequence import SequenceGrad, Update
+
+                if not isinstance(g, (SequenceGrad, Update)) or M.container_kind(self.infos.get(node.input[i])) is None:
+                    raise RuleError(f"rule for {node.op_type} returned {type(g).__name__} for input {i}")
+            elif rule.broadcast:
                 g = b.unbroadcast(g, b.var(node.input[i]), source=b.var(node.output[0]))
             self.contributions.setdefault(node.input[i], []).append(g)
 

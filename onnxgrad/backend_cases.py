@@ -95,9 +95,18 @@ def all_cases() -> tuple[BackendCase, ...]:
     return tuple(out)
 
 
+# Deprecated ops onnxgrad.model.load upgrades (onnx's version converter) to ops with a rule.
+UPGRADED = {"Scatter": "ScatterElements", "Upsample": "Resize"}
+
+
+def _rule(op_type: str):
+    """The rule that differentiates ``op_type`` once the model is loaded (its upgrade's, if deprecated)."""
+    return get_rule(UPGRADED.get(op_type, op_type))
+
+
 def cases_for_rules() -> list[BackendCase]:
-    """The cases of ops that have a (non-stop) gradient rule."""
-    return [c for c in all_cases() if (r := get_rule(c.op_type)) is not None and not r.stop]
+    """The cases of ops that have a (non-stop) gradient rule, deprecated ops upgraded to one included."""
+    return [c for c in all_cases() if (r := _rule(c.op_type)) is not None and not r.stop]
 
 
 def _runtime_opset(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -122,7 +131,7 @@ def _runtime_opset(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _differentiable_inputs(case: BackendCase, model: onnx.ModelProto) -> list[str]:
     """Float graph inputs that feed positions the op's rule differentiates (expanded cases share the names)."""
-    node = helper.make_node(case.op_type, list(case.node_inputs), [])
+    node = helper.make_node(UPGRADED.get(case.op_type, case.op_type), list(case.node_inputs), [])
     positions = differentiable_positions(node, opset_of(model))
     names = {case.node_inputs[i] for i in positions if case.node_inputs[i]}
     return [vi.name for vi in model.graph.input
@@ -138,7 +147,7 @@ def run_case(case: BackendCase, seed: int = 0) -> Outcome:
     """
     import onnxgrad
 
-    rule = get_rule(case.op_type)
+    rule = _rule(case.op_type)
     if rule is None or rule.stop:
         return Outcome(case.name, case.op_type, "skip", "no rule")
     if case.op_type in RANDOM_OPS and _is_random(case):

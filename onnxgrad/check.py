@@ -113,8 +113,7 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
     g = m.graph
     del g.value_info[:]
     for vi in list(g.input) + list(g.output):
-        if vi.type.tensor_type.elem_type in _TO_DOUBLE:
-            vi.type.tensor_type.elem_type = TensorProto.DOUBLE
+        _type_to_double(vi.type)
     for i, init in enumerate(g.initializer):
         if init.data_type in _TO_DOUBLE:
             g.initializer[i].CopyFrom(_double_tensor(init))
@@ -127,6 +126,17 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
 # LayerNormalization and Attention compute their statistics and softmax in.
 _TYPE_ATTRIBUTES = frozenset({"to", "dtype", "stash_type", "softmax_precision"})
 _STASHING = frozenset({"LayerNormalization", "GroupNormalization", "RMSNormalization"})
+
+
+def _type_to_double(tp: onnx.TypeProto) -> None:
+    """A float tensor type, or a sequence or optional of them, made float64 (in place)."""
+    kind = tp.WhichOneof("value")
+    if kind == "tensor_type" and tp.tensor_type.elem_type in _TO_DOUBLE:
+        tp.tensor_type.elem_type = TensorProto.DOUBLE
+    elif kind == "sequence_type":
+        _type_to_double(tp.sequence_type.elem_type)
+    elif kind == "optional_type":
+        _type_to_double(tp.optional_type.elem_type)
 
 
 def _double_tensor(t: onnx.TensorProto) -> onnx.TensorProto:
@@ -159,8 +169,7 @@ def _node_to_double(node: onnx.NodeProto) -> None:
 def _subgraph_to_double(g: onnx.GraphProto) -> None:
     """An If/Loop/Scan body in float64: its declared types, initializers and nodes."""
     for vi in list(g.input) + list(g.output) + list(g.value_info):
-        if vi.type.tensor_type.elem_type in _TO_DOUBLE:
-            vi.type.tensor_type.elem_type = TensorProto.DOUBLE
+        _type_to_double(vi.type)
     for i, init in enumerate(g.initializer):
         if init.data_type in _TO_DOUBLE:
             g.initializer[i].CopyFrom(_double_tensor(init))

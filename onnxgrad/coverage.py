@@ -10,6 +10,27 @@ from .model import MIN_OPSET
 from .registry import DIFFERENTIABLE, NON_DIFFERENTIABLE, all_rules
 
 _TAG = {DIFFERENTIABLE: "D", NON_DIFFERENTIABLE: "N"}
+
+# Ops with a float input and no rule: why none (printed by ``ops``). Control flow is being built separately.
+NO_RULE_WHY = {
+    "QuantizeLinear": "integer (or float8) result of a rounding: piecewise constant",
+    "QLinearConv": "integer result of a rounding: piecewise constant in its float scales",
+    "QLinearMatMul": "integer result of a rounding: piecewise constant in its float scales",
+    "NonMaxSuppression": "integer indices of the kept boxes",
+    "BitCast": "reinterprets the bits: no derivative",
+    "Unique": "X tagged NonDifferentiable; the outputs' sizes change at ties (PyTorch's unique has no "
+              "derivative either)",
+    "TfIdfVectorizer": "counts of integer or string n-grams",
+    "If": "control flow (a rule is being written separately)",
+    "Loop": "control flow (a rule is being written separately)",
+    "Scan": "control flow (a rule is being written separately)",
+    "SequenceMap": "control flow: a body graph per element (as Loop)",
+    "SequenceEmpty": "no inputs",
+    "SequenceLength": "integer result",
+    "OptionalHasElement": "boolean result",
+    "Scatter": "deprecated: onnxgrad.model.load upgrades it to ScatterElements, which has a rule",
+    "Upsample": "deprecated: onnxgrad.model.load upgrades it to Resize, which has a rule",
+}
 _BEYOND = "N+"   # tagged NonDifferentiable, differentiated as PyTorch does (the rule's beyond_tags)
 
 
@@ -156,6 +177,8 @@ def print_table(run_cases: bool = False) -> int:
         line = f"{r.op_type:<{width}}  {r.status:<18}  {opsets:<14}  {cases:>7}  {r.tags}"
         for f in r.flags:
             line += f"  [!] {f}"
+        if r.status in ("missing", "not differentiable", "deprecated") and r.op_type in NO_RULE_WHY:
+            line += f"  ({NO_RULE_WHY[r.op_type]})"
         print(line)
     counts = Counter(r.status for r in rows)
     tagged = [r for r in rows if r.tagged_differentiable]

@@ -189,7 +189,7 @@ def value_info_like(name: str, like: str, types: dict[str, onnx.TypeProto], info
                     doc: str = "") -> onnx.ValueInfoProto:
     """A graph input or output named ``name`` with the type (and shape, where known) of tensor ``like``."""
     tp = types.get(like)
-    if tp is not None and tp.HasField("tensor_type"):
+    if tp is not None and tp.WhichOneof("value") in ("tensor_type", "sequence_type", "optional_type"):
         vi = onnx.ValueInfoProto(name=name, doc_string=doc)
         vi.type.CopyFrom(tp)
         return vi
@@ -405,7 +405,31 @@ def _recover_ranks(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     return found
 
 
+class ContainerInfo(TensorInfo):
+    """A sequence or optional value: ``dtype`` is its tensors' element type, ``shape`` stays None (it is not
+    a tensor), ``elem_shape`` the shape its tensors share where the type says it (dims None where not)."""
+
+    __slots__ = ("kind", "elem_shape")
+
+    def __init__(self, kind: str, dtype: int | None, elem_shape: tuple[int | None, ...] | None = None):
+        super().__init__(dtype, None)
+        self.kind = kind                    # "sequence" or "optional" (of a tensor)
+        self.elem_shape = elem_shape
+
+
+def container_kind(info: TensorInfo | None) -> str | None:
+    """"sequence" or "optional" for a value of that type, None for a tensor (or an unknown type)."""
+    return info.kind if isinstance(info, ContainerInfo) else None
+
+
 def _info_of(tp: onnx.TypeProto) -> TensorInfo:
+    kind = tp.WhichOneof("value")
+    if kind in ("sequence_type", "optional_type"):
+        inner = tp.sequence_type.elem_type if kind == "sequence_type" else tp.optional_type.elem_type
+        if not inner.HasField("tensor_type"):      # a sequence of sequences, an optional sequence, a map
+            return ContainerInfo(kind.split("_")[0] + "/" + (inner.WhichOneof("value") or "unknown"), None)
+        elem = _info_of(inner)
+        return ContainerInfo(kind.split("_")[0], elem.dtype, elem.shape)
     if not tp.HasField("tensor_type"):
         return TensorInfo(None, None)
     tt = tp.tensor_type

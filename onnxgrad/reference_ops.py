@@ -264,6 +264,20 @@ class LinearAttention(OpRun):
         return linear_attention(*inputs, **attrs)
 
 
+class DynamicQuantizeLinear(OpRun):
+    """onnx.reference computes y_scale in float32 whatever x is: central differences of a float64 copy need it
+    in x's precision (onnx's formula otherwise)."""
+
+    op_domain = ""
+
+    def _run(self, x):
+        low, high = min(0.0, float(x.min())), max(0.0, float(x.max()))
+        scale = (high - low) / 255.0
+        zero_point = np.clip(np.rint(-low / scale), 0, 255) if scale else 0.0
+        y = np.clip(np.rint(x / scale) + zero_point, 0, 255) if scale else np.zeros_like(x)
+        return y.astype(np.uint8), np.array(scale, x.dtype), np.array(zero_point, np.uint8)
+
+
 class MaxUnpool(OpRun):
     """onnx.reference ignores output_shape when it scatters (it fills the default shape)."""
 
@@ -367,5 +381,5 @@ class Loop(op_loop.Loop):
         return tuple(carried) + tuple(np.stack(x) if x else np.empty((0,)) for x in stacked)
 
 
-KERNELS = [Loop, BatchNormalization, LayerNormalization, MaxUnpool, MeanVarianceNormalization, Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState, LinearAttention,
+KERNELS = [Loop, BatchNormalization, DynamicQuantizeLinear, LayerNormalization, MaxUnpool, MeanVarianceNormalization, Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState, LinearAttention,
            *_RECURRENT]

@@ -141,6 +141,15 @@ def schema_differentiable_inputs(schema: onnx.defs.OpSchema | None, n_inputs: in
     return tuple(out)
 
 
+def _rebind(d, b: Builder):
+    """A gradient bound to the builder of the rule that reads it (a sequence's gradient is not one Var)."""
+    if type(d) is Var:
+        return b.var(d.name)
+    from .rules.sequence import rebind
+
+    return rebind(d, b)
+
+
 class Node:
     """What a rule sees of one forward node: its tensors as Vars, the seeds, attributes, and a builder.
 
@@ -162,7 +171,7 @@ class Node:
         self.opset = b.opset
         self.inputs = [b.var(x) if x else None for x in proto.input]
         self.outputs = [b.var(y) if y else None for y in proto.output]
-        self.dys = [b.var(d.name) if d is not None else None for d in dys]  # bound to this node's builder
+        self.dys = [_rebind(d, b) if d is not None else None for d in dys]  # bound to this node's builder
         self._needed = needed
         self._attrs = {a.name: helper.get_attribute_value(a) for a in proto.attribute}
 

@@ -168,6 +168,12 @@ def _special(module: str, table: str, case: Case, extra) -> bool:
         # the running statistics carry no tangent (nor gradient), in onnxgrad as in PyTorch: Y only
         model, feeds, wrt = case_model(case)
         check_tangents(model, feeds, wrt, ["y0"], case.tol64)
+    elif (module, table, str(case)) == ("test_rules_nn", "CASES", "Col2Im-block-shape-at-run-time"):
+        # known limit: the tangent transposes the reverse rule, whose Conv then has a kernel made at run time,
+        # and Conv's rule needs the kernel's spatial shape: declined, saying so (the reverse rule is checked)
+        model, feeds, wrt = case_model(case)
+        with pytest.raises(UnsupportedOpError, match="kernel's spatial shape is unknown"):
+            jvp(model, wrt=wrt, of=["y0"])
     else:
         return False
     return True

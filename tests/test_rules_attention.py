@@ -320,3 +320,35 @@ def test_second_order(case):
     onnx.checker.check_model(ggm, full_check=True)
     r = onnxgrad.check.check(gm, ggm, {**feeds, "y0_grad": seed}, max_elements=40)
     assert r.ok(2e-3), r.errors
+
+
+def test_fully_masked_rows_of_a_written_out_attention_have_finite_gradients():
+    """onnx's Attention body masks a row of -inf scores after Softmax (Where(row all -inf, 0, p)): the forward
+    is finite and its gradient must be too (0, not 0 * NaN), equal to central differences."""
+    import onnx.parser
+
+    from onnxgrad.check import check, run_float64
+
+    model = onnx.parser.parse_model("""
+        <ir_version: 8, opset_import: ["" : 18]>
+        g (float[2,3] q, float[4,3] k, float[4,3] v, float[2,4] bias) => (float[2,3] y) {
+          ninf = Constant<value = float {-inf}>()
+          zero = Constant<value = float {0}>()
+          axes = Constant<value = int64[1] {-1}>()
+          kt = Transpose<perm = [1, 0]>(k)
+          s = MatMul(q, kt)
+          t = Add(s, bias)
+          p = Softmax(t)
+          rowmax = ReduceMax<keepdims = 1>(bias, axes)
+          masked = Equal(rowmax, ninf)
+          safe = Where(masked, zero, p)
+          y = MatMul(safe, v)
+        }""")
+    bias = np.array([[0, 0, -np.inf, 0], [-np.inf] * 4], np.float32)          # row 1 removes every key
+    gm = onnxgrad.grad(model, wrt=["q", "k", "v"], of=["y"])
+    onnx.checker.check_model(gm, full_check=True)
+    feeds = dict(q=randn(2, 3), k=randn(4, 3), v=randn(4, 3), bias=bias)
+    r = check(model, gm, feeds, analytic_run=run_float64)
+    assert all(np.isfinite(g).all() for g in r.analytic.values())
+    assert r.ok(1e-6), r.errors
+    assert not r.analytic["q"][1].any()                  # the masked row's query has no influence

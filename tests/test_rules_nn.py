@@ -203,10 +203,18 @@ CASES = [
          attrs=dict(strides=[2, 2], pads=[1, 0, 0, 1], dilations=[2, 1]), opset=18, id="strides-pads-dilations"),
     Case("Col2Im", [randn(1, 2 * 4, 6), np.array([3, 4]), np.array([2, 2])], opset=18, dynamic=[1],
          id="image-shape-at-run-time"),
+    Case("Col2Im", [randn(1, 2 * 6, 6), np.array([5, 6]), np.array([2, 3])],
+         attrs=dict(strides=[2, 2], pads=[1, 0, 0, 1], dilations=[2, 1]), opset=18, dynamic=[1, 2],
+         id="block-shape-at-run-time"),
     Case("MaxUnpool", [randn(2, 3, 2, 3), _indices(distinct(2, 3, 4, 6), kernel_shape=[2, 2], strides=[2, 2])],
          attrs=dict(kernel_shape=[2, 2], strides=[2, 2]), id="2d"),
     Case("MaxUnpool", [randn(1, 2, 3), _indices(distinct(1, 2, 6), kernel_shape=[2], strides=[2])],
          attrs=dict(kernel_shape=[2], strides=[2]), opset=13, id="1d"),
+    # output_shape larger than the default (MaxPool of a 5x5 image): indices address the output_shape tensor,
+    # as onnxruntime and PyTorch's max_unpool2d(output_size=) read them (onnx.reference and the backend
+    # case's expected data read them in the default 4x4 shape: see onnxgrad/reference_ops.py's MaxUnpool)
+    Case("MaxUnpool", [randn(1, 2, 2, 2), _indices(distinct(1, 2, 5, 5), kernel_shape=[2, 2], strides=[2, 2]),
+                       np.array([1, 2, 5, 5])], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]), id="output-shape"),
     Case("LRN", [randn(2, 5, 3, 4)], attrs=dict(size=3, alpha=0.3, beta=0.75, bias=1.5), id="size3"),
     Case("LRN", [randn(2, 6, 3, 4)], attrs=dict(size=4, alpha=0.5, beta=0.6, bias=2.0), id="size4-even"),
     Case("LRN", [randn(1, 4, 5, 3)], attrs=dict(size=5, alpha=0.5, beta=1.2), unknown_shapes=True, id="dynamic"),

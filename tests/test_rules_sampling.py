@@ -103,6 +103,15 @@ RESIZE = [
     resize([randn(1, 1, 4, 5), None, None, i64(5, 9)],   # scale 1.25: 6.25 columns -> 6
            {"mode": "linear", "axes": [2, 3], "keep_aspect_ratio_policy": "not_larger"}, opset=19,
            id="keep-ratio-fractional"),
+    # round(scale * in) > floor(scale * in): 1.5 * 3 = 4.5 -> 5 rows; 0.75 * 2 = 1.5 -> 2 (onnx's not_smaller case)
+    resize([X4, None, None, i64(5, 6)], {"mode": "linear", "axes": [2, 3], "keep_aspect_ratio_policy": "not_larger"},
+           opset=18, id="keep-ratio-round-up-linear"),
+    resize([randn(1, 1, 2, 4), None, None, i64(1, 3)],
+           {"mode": "nearest", "axes": [2, 3], "keep_aspect_ratio_policy": "not_smaller"}, opset=18,
+           id="keep-ratio-round-up-nearest-down"),
+    resize([randn(1, 2, 5, 3), None, None, i64(6, 2)],
+           {"mode": "cubic", "axes": [2, 3], "keep_aspect_ratio_policy": "not_smaller",
+            "coordinate_transformation_mode": "asymmetric"}, opset=18, id="keep-ratio-round-up-cubic"),
     # nearest upsampling by integer factors: block sums (and one that is not: s=3, rounding)
     resize([X4, None, f32(1, 1, 3, 2)],
            {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"},
@@ -358,6 +367,16 @@ ROI_ALIGN = [
             "coordinate_transformation_mode": "output_half_pixel"}, opset=16, id="output-half-pixel"),
     sample("RoiAlign", [randn(2, 2, 6, 5), _rois(), i64(0, 1, 1)], {"output_height": 2, "output_width": 2},
            opset=22, dynamic=[1, 2], unknown_shapes=True, id="dynamic-adaptive"),
+    # max mode: the gradient goes to the largest weighted tap of the bin's samples
+    sample("RoiAlign", [randn(2, 2, 6, 5), _rois(), i64(0, 1, 1)],
+           {"mode": "max", "output_height": 2, "output_width": 3, "sampling_ratio": 2}, opset=16, id="max-ratio2"),
+    sample("RoiAlign", [randn(2, 2, 6, 5), _rois(), i64(1, 0, 1)],
+           {"mode": "max", "output_height": 2, "output_width": 2}, opset=16, id="max-adaptive"),
+    sample("RoiAlign", [randn(2, 2, 6, 5), _rois() * 2, i64(0, 1, 0)],
+           {"mode": "max", "output_height": 3, "output_width": 2, "sampling_ratio": 1, "spatial_scale": 0.5,
+            "coordinate_transformation_mode": "output_half_pixel"}, opset=16, id="max-output-half-pixel"),
+    sample("RoiAlign", [randn(2, 2, 6, 5), _rois(), i64(0, 1, 1)], {"mode": "max", "output_height": 2},
+           opset=22, dynamic=[1, 2], unknown_shapes=True, id="max-dynamic-adaptive"),
     # below opset 16 (RoiAlign-10, output_half_pixel): rules/nn.py's dense form
     sample("RoiAlign", [randn(2, 2, 6, 5), _rois(), i64(0, 1, 1)],
            {"output_height": 2, "output_width": 3, "sampling_ratio": 2}, opset=13, id="opset13"),
@@ -457,10 +476,11 @@ def test_resize_negative_axes():
 
 
 @pytest.mark.parametrize("case, reason", [
-    (resize([X4, None, None, i64(5, 6)], {"mode": "linear", "axes": [2, 3], "keep_aspect_ratio_policy": "not_larger"},
-            opset=18, id="keep-ratio-round-up"), "keep_aspect_ratio_policy"),
-    (sample("RoiAlign", [randn(1, 1, 4, 4), _rois(), i64(0, 0, 0)], {"mode": "max"}, opset=16, id="roi-max"),
-     "max mode"),
+    (resize([X4, None, None, i64(5, 6)], {"mode": "linear", "axes": [2, 3], "keep_aspect_ratio_policy": "not_larger",
+                                          "coordinate_transformation_mode": "align_corners"},
+            opset=18, id="keep-ratio-round-up-align-corners"), "keep_aspect_ratio_policy"),
+    (sample("RoiAlign", [randn(1, 1, 4, 4), _rois(), i64(0, 0, 0)], {"mode": "max"}, opset=13, id="roi-max-13"),
+     "mode='max' below opset 16"),
 ], ids=lambda v: getattr(v, "id", ""))
 def test_unsupported(case, reason):
     model, _, wrt = harness.case_model(case)

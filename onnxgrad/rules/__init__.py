@@ -11,6 +11,7 @@ from . import (  # noqa: F401
     recurrent,
     reduce,
     sampling,
+    sequence,
     shape,
     spectral,
     stop,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from ..builder import Var
 from ..registry import Node, register
 
@@ -186,9 +188,23 @@ def gelu(n):
 
 @register("Softmax")
 def softmax(n):
-    """d softmax(x) = (dy - sum(dy * y, axis)) * y"""
+    """d softmax(x) = (dy - sum(dy * y, axis)) * y
+
+    A row of -inf only (a fully masked attention row) makes y NaN; a model that masks such rows afterwards
+    (onnx's Attention body: Where(row all -inf, 0, y)) has a zero derivative there, as PyTorch's safe
+    softmax in scaled_dot_product_attention. Where the model holds a -inf constant, y's NaN rows are read
+    as 0, so their zero seed stays zero (0 * NaN would spread NaN into every gradient reading them).
+    """
     y = n.outputs[0]
+    if _has_negative_infinity(n):
+        y = n.op.Where(n.op.IsNaN(y), n.b.scalar(0.0, y), y)
     return ((n.dy - n.b.sum(n.dy * y, _softmax_axes(n))) * y,)
+
+
+def _has_negative_infinity(n) -> bool:
+    """Whether a constant of the model (a mask's fill) is -inf: only then can a softmax row be all -inf
+    without a -inf input at run time."""
+    return any(v.dtype.kind == "f" and v.size and np.isneginf(v).any() for v in n.b.constants.values())
 
 
 @register("LogSoftmax")

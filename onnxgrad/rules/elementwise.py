@@ -317,3 +317,54 @@ def range_(n):
         index = n.op.Range(n.b.scalar(0.0, y), count, n.b.scalar(1.0, y))
         ddelta = n.b.sum(n.dy * index, keepdims=False)
     return dstart, None, ddelta
+
+
+@register("DequantizeLinear", inputs=(1,))
+def dequantize_linear(n):
+    """y = (x - zero_point) * scale, scale per tensor, per slice along ``axis``, or per block of ``block_size``:
+    d scale = sum of dy * (x - zero_point) over the elements each scale multiplies (x is integer: no gradient)
+
+    x - zero_point is the op itself with a scale of ones, in y's type.
+    """
+    x, scale = n.inputs[0], n.inputs[1]
+    attrs = {k: n.attr(k) for k in ("axis", "block_size", "output_dtype") if n.has_attr(k)}
+    centred = n.op.DequantizeLinear(x, n.b.fill_like(scale, 1.0), n.input(2), **attrs)
+    prod = n.b.cast_like(n.dy * centred, scale)
+    if scale.rank == 0 or scale.shape == (1,) and not n.attr("block_size", 0):
+        return (None, n.b.reshape_like(n.b.sum(prod, None, keepdims=False), scale), None)
+    rank = x.rank
+    if rank is None:
+        n.unsupported("DequantizeLinear with a per-axis or blocked scale needs the rank of x")
+    axis = n.attr("axis", 1) % rank
+    block = n.attr("block_size", 0)
+    if not block:                                       # per axis: scale is [x.shape[axis]]
+        return (None, n.b.sum(prod, [k for k in range(rank) if k != axis], keepdims=False), None)
+    size = x.shape[axis] if x.shape is not None else None
+    if size is None or size % block:
+        n.unsupported("DequantizeLinear with blocks needs x's size along axis known and a multiple of block_size")
+    split = n.b.ints([size // block, block])
+    if x.info.static:
+        dims = n.b.ints(list(x.shape[:axis]) + [size // block, block] + list(x.shape[axis + 1:]))
+    else:
+        dims = n.op.Concat(n.b.shape_of(x, 0, axis), split, n.b.shape_of(x, axis + 1, rank), axis=0)
+    blocks = n.op.Reshape(prod, dims)                   # the blocks along axis split out: [..., D / B, B, ...]
+    return (None, n.b.sum(blocks, [axis + 1], keepdims=False), None)
+
+
+@register("DynamicQuantizeLinear", inputs=(0,))
+def dynamic_quantize_linear(n):
+    """y_scale = (max(0, max x) - min(0, min x)) / 255 (y and y_zero_point are integers: no gradient):
+    dx = d y_scale / 255 * ([x = max x] [max x > 0] / #max - [x = min x] [min x < 0] / #min), ties shared
+    evenly as PyTorch's amax/amin"""
+    x, ds = n.inputs[0], n.dys[1]
+    if ds is None:
+        return (None,)
+    b, zero = n.b, n.b.scalar(0.0, x)
+    parts = []
+    for op, keep, sign in (("ReduceMax", "Greater", 1.0), ("ReduceMin", "Less", -1.0)):
+        m = b.reduce(op, x, None, keepdims=True)
+        at = b.cast_like(n.op.Equal(x, m), x)
+        active = b.cast_like(getattr(n.op, keep)(m, zero), x)
+        parts.append(at * (active * sign) / b.sum(at, None, keepdims=True))
+    return ((parts[0] + parts[1]) * (n.op.Reshape(ds, b.ints([1] * x.rank)) / 255.0),) if x.rank else (
+        (parts[0] + parts[1]) * ds / 255.0,)

@@ -675,15 +675,18 @@ def col2im(n):
     """y = col2im(x) sums the columns' blocks into the image:
     dx = im2col(dy) = Conv(dy, identity kernel) over [N*C, 1, *image], one output channel per block tap
     """
-    x = n.inputs[0]
+    x, b = n.inputs[0], n.b
     block = n.const_ints(2)
-    if block is None:
-        n.unsupported("Col2Im with a block_shape computed at run time")
-    b, taps = n.b, int(np.prod(block))
+    if block is not None:
+        taps = int(np.prod(block))
+        eye = n.b.const_like(np.eye(taps).reshape(taps, 1, *block), x)
+    else:       # the same identity kernel made at run time: EyeLike of a [taps, taps] fill, reshaped
+        taps = b.reduce("ReduceProd", n.inputs[2], None)                                 # [1]
+        square = b.cast_like(n.op.ConstantOfShape(n.op.Concat(taps, taps, axis=0)), x)
+        eye = n.op.Reshape(n.op.EyeLike(square), n.op.Concat(taps, b.ints([1]), n.inputs[2], axis=0))
     image = n.const_ints(1)
     image = b.ints(image) if image is not None else n.input(1)
     planes = n.op.Reshape(n.dy, n.op.Concat(b.ints([-1, 1]), image, axis=0))        # [N*C, 1, *image]
-    eye = n.b.const_like(np.eye(taps).reshape(taps, 1, *block), x)
     cols = n.op.Conv(planes, eye, strides=n.attr("strides"), dilations=n.attr("dilations"),
                      pads=n.attr("pads"))                                             # [N*C, taps, *blocks]
     return (b.reshape_like(cols, x), None, None)[:len(n.inputs)]
@@ -691,7 +694,11 @@ def col2im(n):
 
 @register("MaxUnpool")
 def max_unpool(n):
-    """y.flat[I] = x, zeros elsewhere:  dx = dy.flat[I]  (I as MaxPool's Indices: distinct positions)"""
+    """y.flat[I] = x, zeros elsewhere:  dx = dy.flat[I]  (I as MaxPool's Indices: distinct positions)
+
+    With output_shape, I indexes the output_shape tensor, as onnxruntime and PyTorch (max_unpool's
+    output_size) read it; onnx.reference reads I in the default shape and pastes that block at the origin,
+    a forward onnxruntime marks as a results mismatch (test_maxunpool_export_with_output_shape, onnx#2398)."""
     flat = n.op.Reshape(n.dy, n.b.ints([-1]))
     return (n.op.Gather(flat, n.inputs[1], axis=0), None, None)[:len(n.inputs)]
 
@@ -772,7 +779,7 @@ def roi_align(n):
     dx[b] = sum_{r: b_r = b} ay[r]^T dy[r] ax[r]
     """
     if n.attr("mode", "avg") != "avg":
-        n.unsupported("RoiAlign mode='max' (onnxruntime takes the max of weighted corner values)")
+        n.unsupported("RoiAlign mode='max' below opset 16 (its gradient scatters with ScatterElements 'add', opset 16)")
     x, rois, batch = n.inputs
     b = n.b
     ay = _roi_axis_weights(n, x, rois, 0, n.attr("output_height", 1))                    # [R, oh, H]

@@ -205,8 +205,16 @@ def _keep_ratio_plan(n: Node, scale: float, size_in: int) -> dict:
         return {"scale": float(np.float32(scale))}
     if abs(scale * size_in - out) < 1e-6 * max(out, 1):
         return {"size": out}
-    n.unsupported("Resize with keep_aspect_ratio_policy where round(scale * in) differs from "
-                  f"floor(scale * in) (scale {scale:g}, input size {size_in})")
+    # round(scale * in) > floor(scale * in): resize an input made longer by repeating its last element (what
+    # the coordinate clamp reads past the edge) at the same scale, and keep the first `out` outputs. Right
+    # where an output's source coordinate does not depend on the input's length
+    ctm = n.attr("coordinate_transformation_mode", "half_pixel")
+    cubic_inside = n.attr("mode", "nearest") == "cubic" and n.attr("exclude_outside", 0)
+    if ctm not in ("half_pixel", "asymmetric", "tf_half_pixel_for_nn", "pytorch_half_pixel") or cubic_inside:
+        n.unsupported("Resize with keep_aspect_ratio_policy where round(scale * in) differs from floor(scale * in) "
+                      f"(scale {scale:g}, input size {size_in}) and coordinate_transformation_mode '{ctm}'"
+                      + (" with exclude_outside" if cubic_inside else ""))
+    return {"scale": float(np.float32(scale)), "rows": out, "pad": int(np.ceil(2.0 / scale)) + 2}
 
 
 def _is_identity(plan: dict, size_in: int | None, size_out: int | None) -> bool:
@@ -225,6 +233,10 @@ def _interpolation_matrix(n: Node, x: Var, k: int, plan: dict, transposed: bool)
     along = 1 if transposed else 0          # resize the eye's rows (A) or columns (A^T)
     size_in = _dim(n, x, k)
     eye = n.op.EyeLike(_zeros(n, _ints(n, [size_in, size_in]), x))
+    if "pad" in plan:           # the last element repeated (see _keep_ratio_plan)
+        pads = [0, 0, 0, 0]
+        pads[2 + along] = plan["pad"]
+        eye = n.op.Pad(eye, n.b.ints(pads), mode="edge")
     roi = scales = sizes = None
     if "roi" in plan:
         roi = _roi_2d(n, plan["roi"], along)
@@ -241,7 +253,10 @@ def _interpolation_matrix(n: Node, x: Var, k: int, plan: dict, transposed: bool)
     attrs = _attrs(n, drop=("axes", "keep_aspect_ratio_policy", "extrapolation_value"))
     if "roi" in plan:
         attrs["extrapolation_value"] = 0.0   # outputs outside the crop do not depend on X
-    return n.op.Resize(eye, roi, scales, sizes, **attrs)
+    a = n.op.Resize(eye, roi, scales, sizes, **attrs)
+    if "pad" in plan:
+        a = n.op.Slice(a, n.b.ints([0]), n.b.ints([plan["rows"]]), n.b.ints([along]))
+    return a
 
 
 def _roi_2d(n: Node, roi, along: int) -> Var:
@@ -535,6 +550,49 @@ def affine_grid(n):
 
 
 # -- RoiAlign -----------------------------------------------------------------------------
+def _roi_align_max(n: Node, x: Var, batch: Var, index: Var, weight: Var, exist: Var | None,
+                   pooled: tuple[int, int], sizes: Sequence[Dim]) -> Var:
+    """max mode, as onnxruntime and onnx.reference compute it: Y[r, c, ph, pw] = the largest w * X[b_r, c, p]
+    over the bin's samples and each sample's four bilinear taps (no average). The gradient goes to that
+    one tap, dX[b_r, c, p] += dy * w (the first in sample, then tap order on ties, as they take it).
+
+    ``index``, ``weight``: (R, PH, PW, Gy, 2, Gx, 2); ``exist``: False for the samples of an adaptive grid
+    narrower than the widest one (they take no part in the max), None when every sample exists.
+    """
+    b = n.b
+    perm = [0, 1, 2, 3, 5, 4, 6]                       # samples (iy, ix), then taps (y, x): onnxruntime's order
+    flat = b.ints([0, pooled[0] * pooled[1], -1])
+    full = b.shape_of(index)
+    index = n.op.Reshape(n.op.Transpose(index, perm=perm), flat)                         # (R, L, T)
+    weight = n.op.Reshape(n.op.Transpose(weight, perm=perm), flat)
+    channels, pixels = _dim(n, x, 1), _mul(n, sizes[0], sizes[1])
+    c = n.op.Range(b.const(np.array(0, np.int64)), n.op.Squeeze(_tensor(n, channels), b.ints([0])),
+                   b.const(np.array(1, np.int64)))
+    r = n.op.Range(b.const(np.array(0, np.int64)), n.op.Squeeze(b.shape_of(batch), b.ints([0])),
+                   b.const(np.array(1, np.int64)))
+    taps = b.unsqueeze(index, [1])                                                        # (R, 1, L, T)
+    # flat positions (plain Gathers: onnx.reference's GatherElements takes at most 64 positions per row)
+    plane = n.op.Add(n.op.Mul(b.unsqueeze(r, [1]), _tensor(n, channels)), b.unsqueeze(c, [0]))      # (R, C)
+    images = n.op.Reshape(n.op.Gather(x, batch, axis=0), b.ints([-1]))                   # R * C * H * W
+    values = n.op.Gather(images, n.op.Add(n.op.Mul(b.unsqueeze(plane, [2, 3]), _tensor(n, pixels)), taps))
+    values = values * b.unsqueeze(weight, [1])                                            # (R, C, L, T)
+    if exist is not None:
+        exist = n.op.Reshape(n.op.Transpose(n.op.Expand(exist, full), perm=perm), flat)
+        values = n.op.Where(b.unsqueeze(exist, [1]), values, b.scalar(-np.inf, values))
+    pick = n.op.ArgMax(values, axis=3, keepdims=1)                                       # (R, C, L, 1)
+    chosen = n.op.Equal(n.op.Range(b.const(np.array(0, np.int64)), n.op.Squeeze(b.shape_of(index, 2, 3), b.ints([0])),
+                                   b.const(np.array(1, np.int64))), pick)                # (R, C, L, T)
+    tap = b.sum(n.op.Where(chosen, taps, b.const(np.array(0, np.int64))), [3])           # (R, C, L, 1)
+    w = b.sum(n.op.Where(chosen, b.unsqueeze(weight, [1]), b.scalar(0.0, values)), [3])
+    update = n.op.Reshape(n.dy, b.ints([0, 0, -1, 1])) * w
+    image = n.op.Add(n.op.Mul(b.unsqueeze(batch, [1]), _tensor(n, channels)), b.unsqueeze(c, [0]))  # (R, C)
+    where = n.op.Add(n.op.Mul(b.unsqueeze(image, [2, 3]), _tensor(n, pixels)), tap)
+    zeros = _zeros(n, b.shape_of(n.op.Reshape(x, b.ints([-1]))), n.dy)
+    grad = n.op.ScatterElements(zeros, n.op.Reshape(where, b.ints([-1])), n.op.Reshape(update, b.ints([-1])),
+                                axis=0, reduction="add")
+    return b.reshape_like(grad, x)
+
+
 def _roi_axis_taps(n: Node, start: Var, length: Var, pooled: int, grid: Var | float, samples: Var,
                    size: Dim) -> list[tuple[Var, Var]]:
     """One axis of RoiAlign's bilinear samples: the two taps of each, shaped (R, pooled, G).
@@ -570,8 +628,6 @@ def roi_align(n):
     with no scatter but O(N H W R oh C) work; it serves opsets below 16, which have no ScatterND "add".)
     """
     x, rois, batch = n.inputs[:3]
-    if n.attr("mode", "avg") != "avg":
-        n.unsupported("RoiAlign in max mode (only avg mode has a gradient rule)")
     if n.opset < 16:   # no ScatterND "add" yet: the dense separable form of rules/nn.py
         return nn.roi_align(n)
     b = n.b
@@ -582,7 +638,7 @@ def roi_align(n):
     if half_pixel:
         box = box - 0.5
     sizes = [_dim(n, x, 2), _dim(n, x, 3)]
-    taps, grids = [], []
+    taps, grids, exists = [], [], []
     for axis in range(2):   # y (height), then x (width); a box is (x1, y1, x2, y2)
         start = n.op.Gather(box, b.ints([1 - axis]), axis=1)                         # (R, 1)
         length = n.op.Gather(box, b.ints([3 - axis]), axis=1) - start
@@ -597,6 +653,7 @@ def roi_align(n):
             samples = n.b.cast_like(n.op.Range(b.const(np.array(0, np.int64)), most,
                                           b.const(np.array(1, np.int64))), length)
             samples = b.unsqueeze(samples, [0, 1])                                    # (1, 1, G)
+            exists.append(n.op.Less(samples, b.unsqueeze(grid, [2])))                 # (R, 1, G)
         grids.append(grid)
         taps.append(_roi_axis_taps(n, b.unsqueeze(start, [2]), b.unsqueeze(length, [2]), pooled[axis],
                                    grid if ratio > 0 else b.unsqueeze(grid, [2]), samples, sizes[axis]))
@@ -605,6 +662,9 @@ def roi_align(n):
     x_idx, x_w = _stack(n, [i for i, _ in taps[1]], [1, 3, 4]), _stack(n, [w for _, w in taps[1]], [1, 3, 4])
     index = n.op.Add(n.op.Mul(n.op.Cast(y_idx, to=TensorProto.INT64), _tensor(n, sizes[1])),
                      n.op.Cast(x_idx, to=TensorProto.INT64))
+    if n.attr("mode", "avg") == "max":
+        exist = None if not exists else n.op.And(b.unsqueeze(exists[0], [2, 4, 5, 6]), b.unsqueeze(exists[1], [1, 3, 4, 6]))
+        return _roi_align_max(n, x, batch, index, y_w * x_w, exist, pooled, sizes), None, None
     if ratio > 0:
         weight = y_w * x_w * (1.0 / (ratio * ratio))
     else:
