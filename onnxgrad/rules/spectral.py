@@ -77,8 +77,6 @@ def dft(n):
         n.unsupported("DFT needs its input's rank and last axis (real 1 or complex 2) known")
     rank = len(x.shape)
     inverse, onesided = n.attr("inverse", 0), bool(n.attr("onesided", 0))
-    if inverse and onesided:
-        n.unsupported("the inverse one-sided DFT (IRFFT) has no gradient rule")
     if n.opset < 20:
         axis = n.attr("axis", 1)
     else:
@@ -87,6 +85,8 @@ def dft(n):
     axis = axis + rank if axis < 0 else axis
     have = x.shape[axis]
     length = _const_int(n, 1, "dft_length")
+    if inverse and onesided:
+        return _irfft_grad(n, axis, rank, have, length), None, None
     if length is None:
         length = have
     if (onesided or length != have) and (length is None or have is None):
@@ -95,6 +95,34 @@ def dft(n):
     if length != have:
         dx = _fit(n, dx, axis, rank, length, have)
     return (_real_part(n, dx) if x.shape[-1] == 1 else dx), None, None
+
+
+def _irfft_grad(n: Node, axis: int, rank: int, have: int | None, length: int | None) -> Var:
+    """IRFFT, y = irfft(X, N) (X one-sided, y real; N = dft_length, default 2 (len(X) - 1)):
+    y[t] = (1/N) sum_k c_k Re(X[k] exp(2 pi i k t / N)) over k <= N // 2, c_k = 2 except c_0 = 1 and,
+    N even, c_{N/2} = 1 (the imaginary parts of X[0] and X[N/2] are ignored). So
+    dX[k] = c_k / N * rfft(dy)[k] (real part: sum_t dy cos, imaginary: -sum_t dy sin), cut or
+    zero-padded back to X's length (complex: the schema refuses a real IRFFT input).
+    """
+    if have is None:
+        n.unsupported("IRFFT needs the spectrum's length along its axis known when the gradient is built")
+    if length is None:
+        length = 2 * (have - 1)
+    kept = length // 2 + 1
+    weights = np.full(kept, 2.0)
+    weights[0] = 1.0
+    if length % 2 == 0:
+        weights[-1] = 1.0
+    shape = [1] * rank
+    shape[axis] = kept
+    dy = n.dy
+    size = n.b.const(np.array(length, np.int64))
+    if n.opset < 20:
+        spectrum = n.op.DFT(dy, size, axis=axis, onesided=1)
+    else:
+        spectrum = n.op.DFT(dy, size, n.b.const(np.array(axis, np.int64)), onesided=1)
+    dx = spectrum * n.b.const_like(weights.reshape(shape) / length, dy)
+    return _fit(n, dx, axis, rank, kept, have)
 
 
 @register("STFT", beyond_tags=(0, 2))
