@@ -246,7 +246,60 @@ class _Builder:
 
     # One model: the gradient model with parameters as inputs and update nodes appended.
     def _model(self, accumulate: bool) -> tuple[onnx.ModelProto, TrainingSpec]:
-        # parameters and running statistics become inputs; gradients stay inside
+        m, e, data_inputs = self._gradient_graph()
+        b = e.b
+        grads = {p: b.var(self.gradients[p]) for p in self.params}
+        acc_names: dict[str, list[str]] = {}
+        if self.k > 1:
+            sb = b.scoped("train/accumulate", "gradient accumulation over micro-batches")
+            accs = {p: e.add_input(f"{p}.grad_acc", self.dtypes[p], self.shapes[p],
+                                   f"sum of the gradients of '{p}' over the earlier micro-batches of this update",
+                                   np.zeros(self.shapes[p], helper.tensor_dtype_to_np_dtype(self.dtypes[p])))
+                    for p in self.params}
+            if accumulate:
+                grads = {p: sb.var(accs[p].name) + grads[p] for p in self.params}
+            else:
+                grads = {p: (sb.var(accs[p].name) + grads[p]) * (1.0 / self.k) for p in self.params}
+            acc_names = {p: [accs[p].name, ""] for p in self.params}
+
+        sumsq, finite = self._finite(e, grads, b.var(self.loss))
+        rb = b.scoped("train/running_statistics", "running statistics after this batch (train mode)")
+        for r, new_value in self.running.items():
+            value = rb.var(new_value)
+            if self.guard:
+                value = rb.op.Where(finite, value, rb.var(r))
+            e.output(value, f"{r}.next", self.dtypes[r], self.shapes[r],
+                     f"running statistic '{r}' after this batch (feed it back as '{r}')")
+        lr = step = None
+        state_names: dict[str, dict[str, list[str]]] = {}
+        if accumulate:
+            for p in self.params:
+                acc_names[p][1] = f"{acc_names[p][0]}.next"
+                total = grads[p]
+                if self.guard:
+                    total = b.op.Where(finite, total, b.var(acc_names[p][0]))
+                e.output(total, acc_names[p][1], self.dtypes[p], self.shapes[p],
+                         f"'{acc_names[p][0]}' plus this micro-batch's gradient")
+        else:
+            lr, step, state_names = self._update(e, grads, sumsq, finite)
+        final = e.finish(m)
+        spec = TrainingSpec(
+            loss=self.loss, lr="" if accumulate else lr.name, step="" if accumulate else step.name,
+            finite=final["finite"], grad_norm="" if accumulate else final["grad_norm"],
+            data_inputs=data_inputs,
+            params={p: ("" if accumulate else final[f"{p}.next"]) for p in self.params},
+            state={} if accumulate else {p: {s: [i, final[o]] for s, (i, o) in st.items()}
+                                         for p, st in state_names.items()},
+            accumulators={p: [i, final.get(o, o) if o else ""] for p, (i, o) in acc_names.items()},
+            frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
+            accumulation_steps=self.k, guard=self.guard,
+            buffers={r: [r, final[f"{r}.next"]] for r in self.running}, train_mode=self.train_mode,
+            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final})
+        return m, spec
+
+    def _gradient_graph(self) -> tuple[onnx.ModelProto, "_Emitter", list[str]]:
+        """The gradient model with parameters and running statistics as inputs, the loss its first output
+        (gradients stay inside), an emitter to append nodes, inputs and outputs, and its data inputs."""
         held = list(self.params) + list(self.running)
         m = _as_inputs(self.gm, [(self.params, "trainable parameter (current value)"),
                                  (list(self.running), "running statistic (current value)")], self.defaults)
@@ -263,133 +316,113 @@ class _Builder:
         infos[self.loss] = TensorInfo(self.loss_dtype, ())
         b = Builder(M.opset_of(m), names, infos, prefix="train", doc="")
         data_inputs = [i.name for i in g.input if i.name not in {x.name for x in g.initializer} | set(held)]
-
         # outputs: loss first
         del g.output[:]
         g.output.append(helper.make_tensor_value_info(self.loss, self.loss_dtype, []))
         g.output[0].doc_string = "the loss of this batch (before the update)"
-        new_inputs: list[onnx.ValueInfoProto] = []
-        new_inits: list[onnx.TensorProto] = []
-        outputs: list[tuple[Var, str, int, tuple, str]] = []   # (value, name, dtype, shape, doc)
+        return m, _Emitter(b, names, infos, self.defaults), data_inputs
 
-        def add_input(base: str, dtype: int, shape: Sequence[int], doc: str, default: np.ndarray | None) -> Var:
-            name = names.fresh(base)
-            vi = helper.make_tensor_value_info(name, dtype, list(shape))
-            vi.doc_string = doc
-            new_inputs.append(vi)
-            infos[name] = TensorInfo(dtype, tuple(shape))
-            if default is not None and self.defaults:
-                new_inits.append(numpy_helper.from_array(np.asarray(default), name))
-            return b.var(name)
-
-        grads = {p: b.var(self.gradients[p]) for p in self.params}
-        acc_names: dict[str, list[str]] = {}
-        if self.k > 1:
-            sb = b.scoped("train/accumulate", "gradient accumulation over micro-batches")
-            accs = {p: add_input(f"{p}.grad_acc", self.dtypes[p], self.shapes[p],
-                                 f"sum of the gradients of '{p}' over the earlier micro-batches of this update",
-                                 np.zeros(self.shapes[p], helper.tensor_dtype_to_np_dtype(self.dtypes[p])))
-                    for p in self.params}
-            if accumulate:
-                grads = {p: sb.var(accs[p].name) + grads[p] for p in self.params}
-            else:
-                grads = {p: (sb.var(accs[p].name) + grads[p]) * (1.0 / self.k) for p in self.params}
-            acc_names = {p: [accs[p].name, ""] for p in self.params}
-
-        # global gradient norm; the finite flag; clipping
+    def _finite(self, e: "_Emitter", grads: dict[str, Var], loss: Var) -> tuple[Var, Var]:
+        """The sum of squares of every gradient and the ``finite`` output (loss and gradients finite)."""
+        b = e.b
         nb = b.scoped("train/grad_norm", "global L2 norm of the gradients")
         squares = [nb.reduce("ReduceSumSquare", _as_float(nb, grads[p], self.dtypes[p]), None, keepdims=False)
                    for p in self.params]
         sumsq = squares[0] if len(squares) == 1 else nb.op.Sum(*squares)
         fb = b.scoped("train/finite", "true when the loss and every gradient are finite")
-        probe = _as_float(fb, fb.var(self.loss), self.loss_dtype) + sumsq
+        probe = _as_float(fb, fb.var(loss.name), self.loss_dtype) + sumsq
         finite = fb.op.Not(fb.op.Or(fb.op.IsNaN(probe), fb.op.IsInf(probe)))
-        outputs.append((finite, "finite", TensorProto.BOOL, (),
-                        "true when the loss and all gradients are finite; when false, do not use the outputs"
-                        + (" (the graph returns the old values)" if self.guard else "")))
-        rb = b.scoped("train/running_statistics", "running statistics after this batch (train mode)")
-        for r, new_value in self.running.items():
-            value = rb.var(new_value)
+        e.output(finite, "finite", TensorProto.BOOL, (),
+                 "true when the loss and all gradients are finite; when false, do not use the outputs"
+                 + (" (the graph returns the old values)" if self.guard else ""))
+        return sumsq, finite
+
+    def _update(self, e: "_Emitter", grads: dict[str, Var], sumsq: Var, finite: Var
+                ) -> tuple[Var, Var, dict[str, dict[str, list[str]]]]:
+        """The ``grad_norm`` output, clipping, (kept gradients) and the optimizer update of every parameter:
+        the inputs ``lr``, ``step`` and the optimizer state, the outputs ``<param>.next`` and the new state."""
+        b = e.b
+        nb = b.scoped("train/grad_norm", "global L2 norm of the gradients")
+        norm = nb.op.Sqrt(sumsq)
+        e.output(norm, "grad_norm", TensorProto.FLOAT, (),
+                 "global L2 norm of the gradients" + (" (mean over the micro-batches)" if self.k > 1
+                                                      else "") + ", before clipping")
+        if self.clip is not None:
+            cb = b.scoped("train/clip", f"clip the global gradient norm to {self.clip}")
+            coef = cb.op.Min(cb.scalar(self.clip, norm) / (norm + CLIP_EPS), cb.scalar(1.0, norm))
+            grads = {p: grads[p] * _cast_to(cb, coef, self.dtypes[p]) for p in self.params}
+        if self.keep_grads:
+            for p in self.params:
+                e.output(grads[p], f"{p}.grad", self.dtypes[p], self.shapes[p],
+                         f"the gradient the update of '{p}' used (after accumulation and clipping)")
+
+        lr = e.add_input("lr", TensorProto.FLOAT, (), "learning rate of this update (float32 scalar)",
+                         np.array(self.optimizer.lr, np.float32))
+        step = e.add_input("step", TensorProto.INT64, (), "number of this update, 1 for the first (int64 scalar)",
+                           np.array(1, np.int64))
+        ob = b.scoped("train/optimizer", f"{type(self.optimizer).__name__} update")
+        ctx = UpdateContext(ob, lr, step)
+        state_names: dict[str, dict[str, list[str]]] = {}
+        for p in self.params:
+            pb = ob.scoped(f"train/optimizer/{p}", f"{type(self.optimizer).__name__} update of '{p}'")
+            ctx.b = pb
+            optimizer = self.optimizer.for_param(p, self.torch_names.get(p))
+            init_state = optimizer.initial_state(self.initial[p])
+            state = {s: e.add_input(f"{p}.{s}", self.dtypes[p], self.shapes[p],
+                                    f"optimizer state '{s}' of '{p}'", init_state[s])
+                     for s in optimizer.active_state()}
+            new_p, new_state = optimizer.update(ctx, pb.var(p), grads[p], state)
             if self.guard:
-                value = rb.op.Where(finite, value, rb.var(r))
-            outputs.append((value, f"{r}.next", self.dtypes[r], self.shapes[r],
-                            f"running statistic '{r}' after this batch (feed it back as '{r}')"))
-        if accumulate:
-            for p in self.params:
-                acc_names[p][1] = f"{acc_names[p][0]}.next"
-                total = grads[p]
-                if self.guard:
-                    total = b.op.Where(finite, total, b.var(acc_names[p][0]))
-                outputs.append((total, acc_names[p][1], self.dtypes[p], self.shapes[p],
-                                f"'{acc_names[p][0]}' plus this micro-batch's gradient"))
-        else:
-            norm = nb.op.Sqrt(sumsq)
-            outputs.append((norm, "grad_norm", TensorProto.FLOAT, (),
-                            "global L2 norm of the gradients" + (" (mean over the micro-batches)" if self.k > 1
-                                                                 else "") + ", before clipping"))
-            if self.clip is not None:
-                cb = b.scoped("train/clip", f"clip the global gradient norm to {self.clip}")
-                coef = cb.op.Min(cb.scalar(self.clip, norm) / (norm + CLIP_EPS), cb.scalar(1.0, norm))
-                grads = {p: grads[p] * _cast_to(cb, coef, self.dtypes[p]) for p in self.params}
-            if self.keep_grads:
-                for p in self.params:
-                    outputs.append((grads[p], f"{p}.grad", self.dtypes[p], self.shapes[p],
-                                    f"the gradient the update of '{p}' used (after accumulation and clipping)"))
+                new_p = pb.op.Where(finite, new_p, pb.var(p))
+                new_state = {s: pb.op.Where(finite, v, state[s]) for s, v in new_state.items()}
+            e.output(new_p, f"{p}.next", self.dtypes[p], self.shapes[p], f"'{p}' after the update")
+            state_names[p] = {}
+            for s, v in new_state.items():
+                out = f"{state[s].name}.next"
+                e.output(v, out, self.dtypes[p], self.shapes[p], f"'{state[s].name}' after the update")
+                state_names[p][s] = [state[s].name, out]
+        return lr, step, state_names
 
-            lr = add_input("lr", TensorProto.FLOAT, (), "learning rate of this update (float32 scalar)",
-                           np.array(self.optimizer.lr, np.float32))
-            step = add_input("step", TensorProto.INT64, (), "number of this update, 1 for the first (int64 scalar)",
-                             np.array(1, np.int64))
-            ob = b.scoped("train/optimizer", f"{type(self.optimizer).__name__} update")
-            ctx = UpdateContext(ob, lr, step)
-            state_names: dict[str, dict[str, list[str]]] = {}
-            for p in self.params:
-                pb = ob.scoped(f"train/optimizer/{p}", f"{type(self.optimizer).__name__} update of '{p}'")
-                ctx.b = pb
-                optimizer = self.optimizer.for_param(p, self.torch_names.get(p))
-                init_state = optimizer.initial_state(self.initial[p])
-                state = {s: add_input(f"{p}.{s}", self.dtypes[p], self.shapes[p],
-                                      f"optimizer state '{s}' of '{p}'", init_state[s])
-                         for s in optimizer.active_state()}
-                new_p, new_state = optimizer.update(ctx, pb.var(p), grads[p], state)
-                if self.guard:
-                    new_p = pb.op.Where(finite, new_p, pb.var(p))
-                    new_state = {s: pb.op.Where(finite, v, state[s]) for s, v in new_state.items()}
-                outputs.append((new_p, f"{p}.next", self.dtypes[p], self.shapes[p], f"'{p}' after the update"))
-                state_names[p] = {}
-                for s, v in new_state.items():
-                    out = f"{state[s].name}.next"
-                    outputs.append((v, out, self.dtypes[p], self.shapes[p], f"'{state[s].name}' after the update"))
-                    state_names[p][s] = [state[s].name, out]
+class _Emitter:
+    """One graph under construction: its builder and names, and the inputs, initializers and outputs it gains."""
 
-        # name the outputs (renaming their producers where we can, so no copy is made)
+    def __init__(self, b: Builder, names: NameScope, infos: dict[str, TensorInfo], defaults: bool):
+        self.b, self.names, self.infos, self.defaults = b, names, infos, defaults
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.outputs: list[tuple[Var, str, int, tuple, str]] = []   # (value, name, dtype, shape, doc)
+
+    def add_input(self, base: str, dtype: int, shape: Sequence[int], doc: str, default: np.ndarray | None) -> Var:
+        name = self.names.fresh(base)
+        vi = helper.make_tensor_value_info(name, dtype, list(shape))
+        vi.doc_string = doc
+        self.inputs.append(vi)
+        self.infos[name] = TensorInfo(dtype, tuple(shape))
+        if default is not None and self.defaults:
+            self.inits.append(numpy_helper.from_array(np.asarray(default), name))
+        return self.b.var(name)
+
+    def output(self, value: Var, base: str, dtype: int, shape: Sequence[int], doc: str) -> None:
+        self.outputs.append((value, base, dtype, tuple(shape), doc))
+
+    def finish(self, m: onnx.ModelProto) -> dict[str, str]:
+        """Name the outputs (renaming their producers where we can, so no copy is made), add everything to
+        ``m``; returns {base name: output name}."""
+        g, b = m.graph, self.b
         final: dict[str, str] = {}
-        for value, base, dtype, shape, doc in outputs:
-            name = names.fresh(base)
+        for value, base, dtype, shape, doc in self.outputs:
+            name = self.names.fresh(base)
             b.name_as(value, name)
             final[base] = name
             vi = helper.make_tensor_value_info(name, dtype, list(shape))
             vi.doc_string = doc
             g.output.append(vi)
-        g.input.extend(new_inputs)
-        for t in new_inits:
+        g.input.extend(self.inputs)
+        for t in self.inits:
             g.initializer.add().CopyFrom(t)
         g.node.extend(b.nodes)
         m.ir_version = M.emitted_ir_version(m)
-
-        spec = TrainingSpec(
-            loss=self.loss, lr="" if accumulate else lr.name, step="" if accumulate else step.name,
-            finite=final["finite"], grad_norm="" if accumulate else final["grad_norm"],
-            data_inputs=data_inputs,
-            params={p: ("" if accumulate else final[f"{p}.next"]) for p in self.params},
-            state={} if accumulate else {p: {s: [i, final[o]] for s, (i, o) in st.items()}
-                                         for p, st in state_names.items()},
-            accumulators={p: [i, final.get(o, o) if o else ""] for p, (i, o) in acc_names.items()},
-            frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
-            accumulation_steps=self.k, guard=self.guard,
-            buffers={r: [r, final[f"{r}.next"]] for r in self.running}, train_mode=self.train_mode,
-            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final})
-        return m, spec
+        return final
 
 
 # -- graph surgery helpers ----------------------------------------------------------------------------
