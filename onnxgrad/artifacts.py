@@ -92,6 +92,41 @@ class TrainingSpec:
 
 
 @dataclass
+class Bucket:
+    """One flat gradient buffer of the split step: every gradient of one element type, end to end."""
+
+    name: str                       # output of ``backward``, input of ``update``
+    dtype: int                      # TensorProto element type
+    size: int                       # elements
+    params: dict[str, list[int]]    # parameter -> [offset, elements]
+    acc: str = ""                   # the accumulator input of ``backward`` (accumulation_steps > 1)
+
+
+@dataclass
+class SplitStep:
+    """The training step in two graphs, for data parallelism: the all-reduce runs between them.
+
+    ``backward``: forward, loss and backward of this worker's (micro-)batch. Inputs: the data, the
+    parameters, the running statistics, ``weight`` (float32 scalar: the number of samples of this
+    micro-batch) and, with accumulation, each bucket's running sum ``<bucket>.acc``. Outputs: the local
+    loss, one flat buffer per bucket holding ``weight * gradient`` of every parameter end to end (plus the
+    accumulator), the float32 bucket ending with ``[weight * loss, weight]`` at ``stats``, and the
+    running statistics ``<r>.next``. ``update``: reads the buckets summed over the workers, divides by the
+    summed weight (the global mean over every sample of every worker and micro-batch), then checks
+    finiteness, clips and applies the optimizer as the fused graph does. ``spec`` holds the update graph's
+    names, with the backward graph's ``data_inputs`` and ``buffers``.
+    """
+
+    backward: onnx.ModelProto
+    update: onnx.ModelProto
+    spec: TrainingSpec
+    weight: str
+    buckets: list[Bucket]
+    stats: int                      # offset of [weight * loss, weight] in the float32 bucket
+    local_loss: str                 # the backward graph's loss output
+
+
+@dataclass
 class TrainingArtifacts:
     train: onnx.ModelProto
     eval: onnx.ModelProto
@@ -103,6 +138,7 @@ class TrainingArtifacts:
     initial_state: dict[str, dict[str, np.ndarray]]
     report: ParameterReport | None = None          # every float initializer and why it trains or not
     initial_buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    split: SplitStep | None = None                 # build(split=True): the step in two graphs (data parallel)
 
     def eval_with_loss(self, defaults: bool = False) -> onnx.ModelProto:
         """Forward outputs and the loss, trainable parameters and buffers as inputs (validation loss)."""
@@ -139,6 +175,7 @@ def build(
     train_mode: bool = True,
     keep_grads: bool = False,
     strict_tags: bool = False,
+    split: bool = False,
 ) -> TrainingArtifacts:
     """Build the training, eval (and accumulation) models.
 
@@ -151,7 +188,8 @@ def build(
     eval-mode graph (frozen-BN fine-tuning). ``defaults``: store the initial values as
     initializers of the same names as the inputs (overridable defaults); without it every
     parameter, buffer and state tensor is a required input and
-    :meth:`TrainingArtifacts.initial_values` holds their starting values.
+    :meth:`TrainingArtifacts.initial_values` holds their starting values. ``split``: also build the
+    step as two graphs with the gradient reduction between them (:class:`SplitStep`, data parallelism).
     """
     optimizer = optimizer if optimizer is not None else AdamW()
     if not isinstance(optimizer, Optimizer):
@@ -194,7 +232,7 @@ def build(
         differentiated, running = tm.model, tm.running
     gm = grad(differentiated, wrt=params, loss=loss_name, strict_tags=strict_tags)
     return _Builder(loss_model, forward, gm, loss_name, params, frozen, optimizer, clip_grad_norm,
-                    int(accumulation_steps), guard, defaults, running, keep_grads, report, train_mode).run()
+                    int(accumulation_steps), guard, defaults, running, keep_grads, report, train_mode).run(split)
 
 
 def _chosen(report: ParameterReport, trainable: Sequence[str], frozen: Sequence[str]) -> list[str]:
@@ -226,7 +264,7 @@ class _Builder:
         loss_vi = next(o for o in gm.graph.output if o.name == loss)
         self.loss_dtype = loss_vi.type.tensor_type.elem_type or TensorProto.FLOAT
 
-    def run(self) -> TrainingArtifacts:
+    def run(self, split: bool = False) -> TrainingArtifacts:
         train, spec = self._model(accumulate=False)
         accumulate = None
         if self.k > 1:
@@ -242,7 +280,8 @@ class _Builder:
         initial_state = {p: self.optimizer.for_param(p, self.torch_names.get(p)).initial_state(v)
                          for p, v in self.initial.items()}
         return TrainingArtifacts(train, eval_model, accumulate, self.loss_model, self.forward, spec,
-                                 dict(self.initial), initial_state, self.report, dict(self.initial_buffers))
+                                 dict(self.initial), initial_state, self.report, dict(self.initial_buffers),
+                                 self._split(spec.eval_outputs) if split else None)
 
     # One model: the gradient model with parameters as inputs and update nodes appended.
     def _model(self, accumulate: bool) -> tuple[onnx.ModelProto, TrainingSpec]:
@@ -294,6 +333,114 @@ class _Builder:
             frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
             accumulation_steps=self.k, guard=self.guard,
             buffers={r: [r, final[f"{r}.next"]] for r in self.running}, train_mode=self.train_mode,
+            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final})
+        return m, spec
+
+    # The split step: backward into flat buckets | all-reduce (not here) | update from the reduced buckets.
+    def _split(self, eval_outputs: list[str]) -> SplitStep:
+        backward, buckets, stats, weight, bspec = self._backward()
+        update, spec = self._update_graph(buckets, stats)
+        spec.data_inputs, spec.buffers, spec.eval_outputs = bspec["data_inputs"], bspec["buffers"], eval_outputs
+        _set_meta(backward, spec)
+        _set_meta(update, spec)
+        return SplitStep(backward, update, spec, weight, buckets, stats, self.loss)
+
+    def _buckets(self) -> list[tuple[int, list[str]]]:
+        """(element type, parameters) per bucket: float32 first (it also carries the loss and the weight)."""
+        by_type: dict[int, list[str]] = {TensorProto.FLOAT: []}
+        for p in self.params:
+            by_type.setdefault(self.dtypes[p], []).append(p)
+        return list(by_type.items())
+
+    def _backward(self) -> tuple[onnx.ModelProto, list[Bucket], int, str, dict]:
+        m, e, data_inputs = self._gradient_graph()
+        m.graph.output[0].doc_string = "the loss of this worker's micro-batch (before the update)"
+        b = e.b
+        weight = e.add_input("weight", TensorProto.FLOAT, (),
+                             "this micro-batch's weight in the global mean: its number of samples (float32 scalar)",
+                             np.array(1.0, np.float32))
+        bb = b.scoped("train/bucket", "the weighted gradients end to end, one flat buffer per element type")
+        buckets, stats = [], 0
+        for dtype, params in self._buckets():
+            parts, layout, offset = [], {}, 0
+            for p in params:
+                n = int(np.prod(self.shapes[p], dtype=np.int64))
+                parts.append(bb.op.Reshape(b.var(self.gradients[p]), bb.ints([-1])))
+                layout[p], offset = [offset, n], offset + n
+            if dtype == TensorProto.FLOAT:        # [weight * loss, weight]: the global mean's numerator, denominator
+                stats = offset
+                parts += [bb.op.Reshape(_as_float(bb, bb.var(self.loss), self.loss_dtype), bb.ints([1])),
+                          bb.const(np.ones(1, np.float32))]
+                offset += 2
+            flat = parts[0] if len(parts) == 1 else bb.op.Concat(*parts, axis=0)
+            flat = flat * _cast_to(bb, weight, dtype)
+            name = f"grads.{helper.tensor_dtype_to_np_dtype(dtype).name}"
+            acc = ""
+            if self.k > 1:
+                acc = e.add_input(f"{name}.acc", dtype, (offset,),
+                                  f"'{name}' summed over the earlier micro-batches of this update",
+                                  np.zeros(offset, helper.tensor_dtype_to_np_dtype(dtype))).name
+                flat = bb.var(acc) + flat
+            e.output(flat, name, dtype, (offset,),
+                     f"weight * gradient of {', '.join(params) or 'no parameter'} end to end"
+                     + (", then [weight * loss, weight]" if dtype == TensorProto.FLOAT else "")
+                     + (f", plus '{acc}'" if acc else "") + ": sum it over the workers, feed it to the update")
+            buckets.append(Bucket(name, dtype, offset, layout, acc))
+        for r, new_value in self.running.items():
+            e.output(b.var(new_value), f"{r}.next", self.dtypes[r], self.shapes[r],
+                     f"running statistic '{r}' after this micro-batch (feed it back as '{r}')")
+        final = e.finish(m)
+        for bucket in buckets:
+            bucket.name = final[bucket.name]
+        return m, buckets, stats, weight.name, {
+            "data_inputs": data_inputs, "buffers": {r: [r, final[f"{r}.next"]] for r in self.running}}
+
+    def _update_graph(self, buckets: list[Bucket], stats: int) -> tuple[onnx.ModelProto, TrainingSpec]:
+        inputs = []
+        for bucket in buckets:
+            vi = helper.make_tensor_value_info(bucket.name, bucket.dtype, [bucket.size])
+            vi.doc_string = f"'{bucket.name}' of the backward graph, summed over the workers"
+            inputs.append(vi)
+        for p in self.params:
+            vi = helper.make_tensor_value_info(p, self.dtypes[p], list(self.shapes[p]))
+            vi.doc_string = "trainable parameter (current value)"
+            inputs.append(vi)
+        inits = [numpy_helper.from_array(self.initial[p], p) for p in self.params] if self.defaults else []
+        m = helper.make_model(helper.make_graph([], "update", inputs, [], inits),
+                              opset_imports=list(self.gm.opset_import))
+        names = NameScope({i.name for i in inputs})
+        infos = {b_.name: TensorInfo(b_.dtype, (b_.size,)) for b_ in buckets}
+        infos.update({p: TensorInfo(self.dtypes[p], self.shapes[p]) for p in self.params})
+        b = Builder(M.opset_of(self.gm), names, infos, prefix="train", doc="")
+        e = _Emitter(b, names, infos, self.defaults)
+        rb = b.scoped("train/reduced", "the global means: the summed buckets over the summed weight")
+
+        def piece(bucket: Bucket, offset: int, n: int, shape: Sequence[int]) -> Var:
+            v = rb.op.Reshape(rb.op.Slice(rb.var(bucket.name), rb.ints([offset]), rb.ints([offset + n])),
+                              rb.ints(shape))
+            infos[v.name] = TensorInfo(bucket.dtype, tuple(shape))
+            return v
+
+        total = piece(buckets[0], stats + 1, 1, ())
+        loss = piece(buckets[0], stats, 1, ()) / total
+        if self.loss_dtype != TensorProto.FLOAT:
+            loss = rb.op.Cast(loss, to=self.loss_dtype)
+        e.output(loss, self.loss, self.loss_dtype, (), "the mean loss over every worker's samples (before the update)")
+        grads = {}
+        for bucket in buckets:
+            divisor = _cast_to(rb, total, bucket.dtype)
+            for p, (offset, n) in bucket.params.items():
+                grads[p] = piece(bucket, offset, n, self.shapes[p]) / divisor
+        grads = {p: grads[p] for p in self.params}
+        sumsq, finite = self._finite(e, grads, loss)
+        lr, step, state_names = self._update(e, grads, sumsq, finite)
+        final = e.finish(m)
+        spec = TrainingSpec(
+            loss=final[self.loss], lr=lr.name, step=step.name, finite=final["finite"], grad_norm=final["grad_norm"],
+            data_inputs=[], params={p: final[f"{p}.next"] for p in self.params},
+            state={p: {s: [i, final[o]] for s, (i, o) in st.items()} for p, st in state_names.items()},
+            accumulators={}, frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
+            accumulation_steps=self.k, guard=self.guard, train_mode=self.train_mode,
             grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final})
         return m, spec
 
