@@ -118,17 +118,24 @@ def nonfinite(make, rank, world, dp):
     return out
 
 
-def accumulate(make, rank, world, dp):
+def accumulate(make, rank, world, dp, out_dir="."):
     """Two micro-batches per worker per update (data parallel) against one process on the whole batch."""
     from onnxgrad import optim
+    from onnxgrad.training import CheckpointError
     k = 2 if dp else 1
     s = make(optimizer=optim.SGD(lr=0.1, momentum=0.9), accumulation_steps=k)
     x, y = batches()
     out = {}
     for t in range(3):
         xs, ys = shard(x[t], rank, world), shard(y[t], rank, world)
-        for xm, ym in zip(np.array_split(xs, k), np.array_split(ys, k)):
+        for j, (xm, ym) in enumerate(zip(np.array_split(xs, k), np.array_split(ys, k))):
             last = s.step({"x": xm, "y": ym})
+            if dp and t == 0 and j == 0:      # mid-update, each worker's partial sum is its own
+                try:
+                    s.save(Path(out_dir) / "mid-update.onnxgrad")
+                    out["mid_update_save_refused"] = np.array(False)
+                except CheckpointError:
+                    out["mid_update_save_refused"] = np.array(True)
         out[f"loss{t}"] = np.array(last)
     out["steps"] = np.array(s.step_count)
     out.update(_params(s))
@@ -202,7 +209,8 @@ def main(out_dir: str, engine: str) -> None:
         return TrainingSession(model(), loss=loss(), data_parallel=eng, **kw)
     results: dict[str, np.ndarray] = {}
     for name, fn in SCENARIOS.items():
-        results.update({f"{name}/{k}": v for k, v in fn(make, rank, world, True).items()})
+        kw = {"out_dir": out_dir} if name == "accumulate" else {}
+        results.update({f"{name}/{k}": v for k, v in fn(make, rank, world, True, **kw).items()})
     results.update({f"resume/{k}": v for k, v in resume(
         make, rank, world, True, out_dir,
         lambda path: TrainingSession.load(path, data_parallel=eng)).items()})
