@@ -592,6 +592,9 @@ class TrainingSession:
         if header.get("accumulation_steps") != spec.accumulation_steps:
             problems.append(f"it accumulates over {header.get('accumulation_steps')} micro-batches, "
                             f"this session over {spec.accumulation_steps}")
+        elif self._split and header.get("micro", 0):
+            problems.append(f"it was saved after {header.get('micro')} micro-batches of an update, and a "
+                            "data-parallel session resumes at an update boundary")
         values: dict[str, np.ndarray] = {}
         accs: dict[str, np.ndarray] = {}
         for meta, a in zip(header["arrays"], arrays):
