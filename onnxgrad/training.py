@@ -38,9 +38,9 @@ import onnx
 from onnx import helper, numpy_helper
 
 from . import artifacts as A
+from . import distributed as D
 from .errors import OnnxGradError, UnknownNameError
 from .files import atomic_write, runnable, save_model
-from . import distributed as D
 from .optim import Optimizer, from_config
 
 __all__ = ["TrainingSession", "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError",
@@ -138,8 +138,8 @@ class TrainingSession:
         self._options = session_options
         self._engine: D.Engine | None = None
         if data_parallel is not False:
-            cuda = self._providers[0] in ("CUDAExecutionProvider", ("CUDAExecutionProvider",)) or (
-                isinstance(self._providers[0], tuple) and self._providers[0][0] == "CUDAExecutionProvider")
+            first = self._providers[0]
+            cuda = (first[0] if isinstance(first, tuple) else first) == "CUDAExecutionProvider"
             self._engine = D.engine(data_parallel, "cuda" if cuda else "cpu")
             if providers is None and cuda:      # one GPU per worker on its machine
                 self._providers[0] = ("CUDAExecutionProvider", {"device_id": self._engine.local_rank})
@@ -226,7 +226,7 @@ class TrainingSession:
         ``lr`` overrides the session's learning rate ``self.lr`` for this step. ``samples`` (data
         parallel): this shard's weight in the global mean, by default its number of samples (the
         leading dimension of its first batched input); give the count the loss averages over when it
-        is another (tokens that are not padding).
+        is another (tokens that are not padding). One worker ignores it.
         """
         spec = self.spec
         rate = self.lr if lr is None else lr
