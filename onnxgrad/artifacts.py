@@ -16,6 +16,12 @@ from :mod:`onnxgrad.losses`) into
   ``train`` then also takes the accumulators and applies their mean with the
   last micro-batch's gradients.
 
+With ``split=True`` the step is also built in two graphs for data parallelism
+(:class:`SplitStep`): ``backward`` writes every gradient, weighted by the
+micro-batch's sample count, into flat buffers (one per element type), the
+workers sum them, and ``update`` divides by the summed count, checks
+finiteness, clips and applies the optimizer as ``train`` does.
+
 With ``defaults=True`` (the command line's choice) the parameters and the
 initial optimizer state are also stored as initializers of the same names, so
 a first step needs only data, ``lr`` and ``step``; and ``guard=True`` makes the
@@ -46,7 +52,7 @@ from .optim import AdamW, Optimizer, UpdateContext
 from .params import ParameterReport, parameters, restore_ties
 from .train_mode import to_eval_mode, to_train_mode
 
-__all__ = ["TrainingSpec", "TrainingArtifacts", "build", "META_KEY"]
+__all__ = ["TrainingSpec", "TrainingArtifacts", "SplitStep", "Bucket", "build", "META_KEY"]
 
 META_KEY = "onnxgrad.training"
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
