@@ -169,8 +169,23 @@ def resume(make, rank, world, dp, out_dir=None, load=None):
     return out
 
 
+def batchnorm(make, rank, world, dp):
+    """A CNN with BatchNormalization in train mode (static batch of 2 per worker): each worker's running
+    statistics come from its shard, and after the update every worker holds their mean."""
+    from onnxgrad import losses, optim
+    s = make(model=onnx.load(ROOT / "models" / "cnn_bn_dynamo.onnx"),
+             loss=losses.CrossEntropyLoss(output="y", target="label"), optimizer=optim.SGD(lr=0.1))
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 3, 16, 16)).astype(np.float32)
+    label = rng.integers(0, 5, 4)
+    s.step({"x": shard(x, rank, 2), "label": shard(label, rank, 2)})
+    out = {f"buffer/{k}": v for k, v in s.buffers().items()}
+    out.update(_params(s))
+    return out
+
+
 SCENARIOS = {"grad": grad, "sgd5": sgd5, "uneven": uneven, "clip_adamw": clip_adamw, "nonfinite": nonfinite,
-             "accumulate": accumulate}
+             "accumulate": accumulate, "batchnorm": batchnorm}
 
 
 class SumNotMean(Engine):
@@ -206,7 +221,8 @@ def main(out_dir: str, engine: str) -> None:
     rank, world = eng.rank, eng.world_size
 
     def make(**kw):
-        return TrainingSession(model(), loss=loss(), data_parallel=eng, **kw)
+        return TrainingSession(kw.pop("model", None) or model(), loss=kw.pop("loss", None) or loss(),
+                               data_parallel=eng, **kw)
     results: dict[str, np.ndarray] = {}
     for name, fn in SCENARIOS.items():
         kw = {"out_dir": out_dir} if name == "accumulate" else {}

@@ -164,7 +164,8 @@ def test_five_sgd_steps_match_one_process_on_the_full_batch(run):
 
 
 def test_ranks_hold_bit_identical_parameters(run):
-    keys = [k for k in run[0] if "param/" in k or "grad/" in k or "grad_norm" in k or "/loss" in k]
+    keys = [k for k in run[0] if "param/" in k or "grad/" in k or "grad_norm" in k or "/loss" in k
+            or "buffer/" in k]
     assert len(keys) > 50
     for k in keys:
         assert np.array_equal(run[0][k], run[1][k]), k
@@ -235,6 +236,21 @@ def test_resume_from_rank0_checkpoint_is_exact(run):
         for k, v in unbroken.items():
             np.testing.assert_array_equal(got[k.replace("unbroken/", "resumed/")], v, err_msg=k)
         assert_close(got, want, 1e-5)
+
+
+def test_running_statistics_are_averaged_over_the_workers(run):
+    """BatchNorm in train mode: each worker's statistics come from its shard (as DDP without SyncBatchNorm);
+    after the update both hold the mean of what one process computes on each shard."""
+    def make(**kw):
+        return TrainingSession(kw.pop("model"), loss=kw.pop("loss"), **kw)
+    shards = [W.batchnorm(make, rank, 2, False) for rank in range(2)]
+    buffers = [k for k in shards[0] if k.startswith("buffer/")]
+    assert len(buffers) == 6
+    for k in buffers:
+        assert rel_err(shards[0][k], shards[1][k]) > 1e-3       # the shards' statistics differ
+        for r in run:
+            assert rel_err(r[f"batchnorm/{k}"], (shards[0][k] + shards[1][k]) / 2) <= 1e-6, k
+        np.testing.assert_array_equal(run[0][f"batchnorm/{k}"], run[1][f"batchnorm/{k}"])
 
 
 # -- in this process ------------------------------------------------------------------------------------
