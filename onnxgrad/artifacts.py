@@ -16,6 +16,12 @@ from :mod:`onnxgrad.losses`) into
   ``train`` then also takes the accumulators and applies their mean with the
   last micro-batch's gradients.
 
+With ``split=True`` the step is also built in two graphs for data parallelism
+(:class:`SplitStep`): ``backward`` writes every gradient, weighted by the
+micro-batch's sample count, into flat buffers (one per element type), the
+workers sum them, and ``update`` divides by the summed count, checks
+finiteness, clips and applies the optimizer as ``train`` does.
+
 With ``defaults=True`` (the command line's choice) the parameters and the
 initial optimizer state are also stored as initializers of the same names, so
 a first step needs only data, ``lr`` and ``step``; and ``guard=True`` makes the
@@ -46,7 +52,7 @@ from .optim import AdamW, Optimizer, UpdateContext
 from .params import ParameterReport, parameters, restore_ties
 from .train_mode import to_eval_mode, to_train_mode
 
-__all__ = ["TrainingSpec", "TrainingArtifacts", "build", "META_KEY"]
+__all__ = ["TrainingSpec", "TrainingArtifacts", "SplitStep", "Bucket", "build", "META_KEY"]
 
 META_KEY = "onnxgrad.training"
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
@@ -92,6 +98,41 @@ class TrainingSpec:
 
 
 @dataclass
+class Bucket:
+    """One flat gradient buffer of the split step: every gradient of one element type, end to end."""
+
+    name: str                       # output of ``backward``, input of ``update``
+    dtype: int                      # TensorProto element type
+    size: int                       # elements
+    params: dict[str, list[int]]    # parameter -> [offset, elements]
+    acc: str = ""                   # the accumulator input of ``backward`` (accumulation_steps > 1)
+
+
+@dataclass
+class SplitStep:
+    """The training step in two graphs, for data parallelism: the all-reduce runs between them.
+
+    ``backward``: forward, loss and backward of this worker's (micro-)batch. Inputs: the data, the
+    parameters, the running statistics, ``weight`` (float32 scalar: the number of samples of this
+    micro-batch) and, with accumulation, each bucket's running sum ``<bucket>.acc``. Outputs: the local
+    loss, one flat buffer per bucket holding ``weight * gradient`` of every parameter end to end (plus the
+    accumulator), the float32 bucket ending with ``[weight * loss, weight]`` at ``stats``, and the
+    running statistics ``<r>.next``. ``update``: reads the buckets summed over the workers, divides by the
+    summed weight (the global mean over every sample of every worker and micro-batch), then checks
+    finiteness, clips and applies the optimizer as the fused graph does. ``spec`` holds the update graph's
+    names, with the backward graph's ``data_inputs`` and ``buffers``.
+    """
+
+    backward: onnx.ModelProto
+    update: onnx.ModelProto
+    spec: TrainingSpec
+    weight: str
+    buckets: list[Bucket]
+    stats: int                      # offset of [weight * loss, weight] in the float32 bucket
+    local_loss: str                 # the backward graph's loss output
+
+
+@dataclass
 class TrainingArtifacts:
     train: onnx.ModelProto
     eval: onnx.ModelProto
@@ -103,6 +144,7 @@ class TrainingArtifacts:
     initial_state: dict[str, dict[str, np.ndarray]]
     report: ParameterReport | None = None          # every float initializer and why it trains or not
     initial_buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    split: SplitStep | None = None                 # build(split=True): the step in two graphs (data parallel)
 
     def eval_with_loss(self, defaults: bool = False) -> onnx.ModelProto:
         """Forward outputs and the loss, trainable parameters and buffers as inputs (validation loss)."""
@@ -139,6 +181,7 @@ def build(
     train_mode: bool = True,
     keep_grads: bool = False,
     strict_tags: bool = False,
+    split: bool = False,
 ) -> TrainingArtifacts:
     """Build the training, eval (and accumulation) models.
 
@@ -151,7 +194,8 @@ def build(
     eval-mode graph (frozen-BN fine-tuning). ``defaults``: store the initial values as
     initializers of the same names as the inputs (overridable defaults); without it every
     parameter, buffer and state tensor is a required input and
-    :meth:`TrainingArtifacts.initial_values` holds their starting values.
+    :meth:`TrainingArtifacts.initial_values` holds their starting values. ``split``: also build the
+    step as two graphs with the gradient reduction between them (:class:`SplitStep`, data parallelism).
     """
     optimizer = optimizer if optimizer is not None else AdamW()
     if not isinstance(optimizer, Optimizer):
@@ -194,7 +238,7 @@ def build(
         differentiated, running = tm.model, tm.running
     gm = grad(differentiated, wrt=params, loss=loss_name, strict_tags=strict_tags)
     return _Builder(loss_model, forward, gm, loss_name, params, frozen, optimizer, clip_grad_norm,
-                    int(accumulation_steps), guard, defaults, running, keep_grads, report, train_mode).run()
+                    int(accumulation_steps), guard, defaults, running, keep_grads, report, train_mode).run(split)
 
 
 def _chosen(report: ParameterReport, trainable: Sequence[str], frozen: Sequence[str]) -> list[str]:
@@ -226,7 +270,7 @@ class _Builder:
         loss_vi = next(o for o in gm.graph.output if o.name == loss)
         self.loss_dtype = loss_vi.type.tensor_type.elem_type or TensorProto.FLOAT
 
-    def run(self) -> TrainingArtifacts:
+    def run(self, split: bool = False) -> TrainingArtifacts:
         train, spec = self._model(accumulate=False)
         accumulate = None
         if self.k > 1:
@@ -242,11 +286,173 @@ class _Builder:
         initial_state = {p: self.optimizer.for_param(p, self.torch_names.get(p)).initial_state(v)
                          for p, v in self.initial.items()}
         return TrainingArtifacts(train, eval_model, accumulate, self.loss_model, self.forward, spec,
-                                 dict(self.initial), initial_state, self.report, dict(self.initial_buffers))
+                                 dict(self.initial), initial_state, self.report, dict(self.initial_buffers),
+                                 self._split(spec.eval_outputs) if split else None)
 
     # One model: the gradient model with parameters as inputs and update nodes appended.
     def _model(self, accumulate: bool) -> tuple[onnx.ModelProto, TrainingSpec]:
-        # parameters and running statistics become inputs; gradients stay inside
+        m, e, data_inputs = self._gradient_graph()
+        b = e.b
+        grads = {p: b.var(self.gradients[p]) for p in self.params}
+        acc_names: dict[str, list[str]] = {}
+        if self.k > 1:
+            sb = b.scoped("train/accumulate", "gradient accumulation over micro-batches")
+            accs = {p: e.add_input(f"{p}.grad_acc", self.dtypes[p], self.shapes[p],
+                                   f"sum of the gradients of '{p}' over the earlier micro-batches of this update",
+                                   np.zeros(self.shapes[p], helper.tensor_dtype_to_np_dtype(self.dtypes[p])))
+                    for p in self.params}
+            if accumulate:
+                grads = {p: sb.var(accs[p].name) + grads[p] for p in self.params}
+            else:
+                grads = {p: (sb.var(accs[p].name) + grads[p]) * (1.0 / self.k) for p in self.params}
+            acc_names = {p: [accs[p].name, ""] for p in self.params}
+
+        sumsq, finite = self._finite(e, grads, b.var(self.loss))
+        rb = b.scoped("train/running_statistics", "running statistics after this batch (train mode)")
+        for r, new_value in self.running.items():
+            value = rb.var(new_value)
+            if self.guard:
+                value = rb.op.Where(finite, value, rb.var(r))
+            e.output(value, f"{r}.next", self.dtypes[r], self.shapes[r],
+                     f"running statistic '{r}' after this batch (feed it back as '{r}')")
+        lr = step = None
+        state_names: dict[str, dict[str, list[str]]] = {}
+        if accumulate:
+            for p in self.params:
+                acc_names[p][1] = f"{acc_names[p][0]}.next"
+                total = grads[p]
+                if self.guard:
+                    total = b.op.Where(finite, total, b.var(acc_names[p][0]))
+                e.output(total, acc_names[p][1], self.dtypes[p], self.shapes[p],
+                         f"'{acc_names[p][0]}' plus this micro-batch's gradient")
+        else:
+            lr, step, state_names = self._update(e, grads, sumsq, finite)
+        final = e.finish(m)
+        spec = TrainingSpec(
+            loss=self.loss, lr="" if accumulate else lr.name, step="" if accumulate else step.name,
+            finite=final["finite"], grad_norm="" if accumulate else final["grad_norm"],
+            data_inputs=data_inputs,
+            params={p: ("" if accumulate else final[f"{p}.next"]) for p in self.params},
+            state={} if accumulate else {p: {s: [i, final[o]] for s, (i, o) in st.items()}
+                                         for p, st in state_names.items()},
+            accumulators={p: [i, final.get(o, o) if o else ""] for p, (i, o) in acc_names.items()},
+            frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
+            accumulation_steps=self.k, guard=self.guard,
+            buffers={r: [r, final[f"{r}.next"]] for r in self.running}, train_mode=self.train_mode,
+            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final})
+        return m, spec
+
+    # The split step: backward into flat buckets | all-reduce (not here) | update from the reduced buckets.
+    def _split(self, eval_outputs: list[str]) -> SplitStep:
+        backward, buckets, stats, weight, bspec = self._backward()
+        update, spec = self._update_graph(buckets, stats)
+        spec.data_inputs, spec.buffers, spec.eval_outputs = bspec["data_inputs"], bspec["buffers"], eval_outputs
+        _set_meta(backward, spec)
+        _set_meta(update, spec)
+        return SplitStep(backward, update, spec, weight, buckets, stats, self.loss)
+
+    def _buckets(self) -> list[tuple[int, list[str]]]:
+        """(element type, parameters) per bucket: float32 first (it also carries the loss and the weight)."""
+        by_type: dict[int, list[str]] = {TensorProto.FLOAT: []}
+        for p in self.params:
+            by_type.setdefault(self.dtypes[p], []).append(p)
+        return list(by_type.items())
+
+    def _backward(self) -> tuple[onnx.ModelProto, list[Bucket], int, str, dict]:
+        m, e, data_inputs = self._gradient_graph()
+        m.graph.output[0].doc_string = "the loss of this worker's micro-batch (before the update)"
+        b = e.b
+        weight = e.add_input("weight", TensorProto.FLOAT, (),
+                             "this micro-batch's weight in the global mean: its number of samples (float32 scalar)",
+                             np.array(1.0, np.float32))
+        bb = b.scoped("train/bucket", "the weighted gradients end to end, one flat buffer per element type")
+        buckets, stats = [], 0
+        for dtype, params in self._buckets():
+            parts, layout, offset = [], {}, 0
+            for p in params:
+                n = int(np.prod(self.shapes[p], dtype=np.int64))
+                parts.append(bb.op.Reshape(b.var(self.gradients[p]), bb.ints([-1])))
+                layout[p], offset = [offset, n], offset + n
+            if dtype == TensorProto.FLOAT:        # [weight * loss, weight]: the global mean's numerator, denominator
+                stats = offset
+                parts += [bb.op.Reshape(_as_float(bb, bb.var(self.loss), self.loss_dtype), bb.ints([1])),
+                          bb.const(np.ones(1, np.float32))]
+                offset += 2
+            flat = parts[0] if len(parts) == 1 else bb.op.Concat(*parts, axis=0)
+            flat = flat * _cast_to(bb, weight, dtype)
+            name = f"grads.{helper.tensor_dtype_to_np_dtype(dtype).name}"
+            acc = ""
+            if self.k > 1:
+                acc = e.add_input(f"{name}.acc", dtype, (offset,),
+                                  f"'{name}' summed over the earlier micro-batches of this update",
+                                  np.zeros(offset, helper.tensor_dtype_to_np_dtype(dtype))).name
+                flat = bb.var(acc) + flat
+            e.output(flat, name, dtype, (offset,),
+                     f"weight * gradient of {', '.join(params) or 'no parameter'} end to end"
+                     + (", then [weight * loss, weight]" if dtype == TensorProto.FLOAT else "")
+                     + (f", plus '{acc}'" if acc else "") + ": sum it over the workers, feed it to the update")
+            buckets.append(Bucket(name, dtype, offset, layout, acc))
+        for r, new_value in self.running.items():
+            e.output(b.var(new_value), f"{r}.next", self.dtypes[r], self.shapes[r],
+                     f"running statistic '{r}' after this micro-batch (feed it back as '{r}')")
+        final = e.finish(m)
+        for bucket in buckets:
+            bucket.name = final[bucket.name]
+        return m, buckets, stats, weight.name, {
+            "data_inputs": data_inputs, "buffers": {r: [r, final[f"{r}.next"]] for r in self.running}}
+
+    def _update_graph(self, buckets: list[Bucket], stats: int) -> tuple[onnx.ModelProto, TrainingSpec]:
+        inputs = []
+        for bucket in buckets:
+            vi = helper.make_tensor_value_info(bucket.name, bucket.dtype, [bucket.size])
+            vi.doc_string = f"'{bucket.name}' of the backward graph, summed over the workers"
+            inputs.append(vi)
+        for p in self.params:
+            vi = helper.make_tensor_value_info(p, self.dtypes[p], list(self.shapes[p]))
+            vi.doc_string = "trainable parameter (current value)"
+            inputs.append(vi)
+        inits = [numpy_helper.from_array(self.initial[p], p) for p in self.params] if self.defaults else []
+        m = helper.make_model(helper.make_graph([], "update", inputs, [], inits),
+                              opset_imports=list(self.gm.opset_import))
+        names = NameScope({i.name for i in inputs})
+        infos = {b_.name: TensorInfo(b_.dtype, (b_.size,)) for b_ in buckets}
+        infos.update({p: TensorInfo(self.dtypes[p], self.shapes[p]) for p in self.params})
+        b = Builder(M.opset_of(self.gm), names, infos, prefix="train", doc="")
+        e = _Emitter(b, names, infos, self.defaults)
+        rb = b.scoped("train/reduced", "the global means: the summed buckets over the summed weight")
+
+        def piece(bucket: Bucket, offset: int, n: int, shape: Sequence[int]) -> Var:
+            v = rb.op.Reshape(rb.op.Slice(rb.var(bucket.name), rb.ints([offset]), rb.ints([offset + n])),
+                              rb.ints(shape))
+            infos[v.name] = TensorInfo(bucket.dtype, tuple(shape))
+            return v
+
+        total = piece(buckets[0], stats + 1, 1, ())
+        loss = piece(buckets[0], stats, 1, ()) / total
+        if self.loss_dtype != TensorProto.FLOAT:
+            loss = rb.op.Cast(loss, to=self.loss_dtype)
+        e.output(loss, self.loss, self.loss_dtype, (), "the mean loss over every worker's samples (before the update)")
+        grads = {}
+        for bucket in buckets:
+            divisor = _cast_to(rb, total, bucket.dtype)
+            for p, (offset, n) in bucket.params.items():
+                grads[p] = piece(bucket, offset, n, self.shapes[p]) / divisor
+        grads = {p: grads[p] for p in self.params}
+        sumsq, finite = self._finite(e, grads, loss)
+        lr, step, state_names = self._update(e, grads, sumsq, finite)
+        final = e.finish(m)
+        spec = TrainingSpec(
+            loss=final[self.loss], lr=lr.name, step=step.name, finite=final["finite"], grad_norm=final["grad_norm"],
+            data_inputs=[], params={p: final[f"{p}.next"] for p in self.params},
+            state={p: {s: [i, final[o]] for s, (i, o) in st.items()} for p, st in state_names.items()},
+            accumulators={}, frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
+            accumulation_steps=self.k, guard=self.guard, train_mode=self.train_mode,
+            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final})
+        return m, spec
+
+    def _gradient_graph(self) -> tuple[onnx.ModelProto, "_Emitter", list[str]]:
+        """The gradient model with parameters and running statistics as inputs, the loss its first output
+        (gradients stay inside), an emitter to append nodes, inputs and outputs, and its data inputs."""
         held = list(self.params) + list(self.running)
         m = _as_inputs(self.gm, [(self.params, "trainable parameter (current value)"),
                                  (list(self.running), "running statistic (current value)")], self.defaults)
@@ -263,133 +469,113 @@ class _Builder:
         infos[self.loss] = TensorInfo(self.loss_dtype, ())
         b = Builder(M.opset_of(m), names, infos, prefix="train", doc="")
         data_inputs = [i.name for i in g.input if i.name not in {x.name for x in g.initializer} | set(held)]
-
         # outputs: loss first
         del g.output[:]
         g.output.append(helper.make_tensor_value_info(self.loss, self.loss_dtype, []))
         g.output[0].doc_string = "the loss of this batch (before the update)"
-        new_inputs: list[onnx.ValueInfoProto] = []
-        new_inits: list[onnx.TensorProto] = []
-        outputs: list[tuple[Var, str, int, tuple, str]] = []   # (value, name, dtype, shape, doc)
+        return m, _Emitter(b, names, infos, self.defaults), data_inputs
 
-        def add_input(base: str, dtype: int, shape: Sequence[int], doc: str, default: np.ndarray | None) -> Var:
-            name = names.fresh(base)
-            vi = helper.make_tensor_value_info(name, dtype, list(shape))
-            vi.doc_string = doc
-            new_inputs.append(vi)
-            infos[name] = TensorInfo(dtype, tuple(shape))
-            if default is not None and self.defaults:
-                new_inits.append(numpy_helper.from_array(np.asarray(default), name))
-            return b.var(name)
-
-        grads = {p: b.var(self.gradients[p]) for p in self.params}
-        acc_names: dict[str, list[str]] = {}
-        if self.k > 1:
-            sb = b.scoped("train/accumulate", "gradient accumulation over micro-batches")
-            accs = {p: add_input(f"{p}.grad_acc", self.dtypes[p], self.shapes[p],
-                                 f"sum of the gradients of '{p}' over the earlier micro-batches of this update",
-                                 np.zeros(self.shapes[p], helper.tensor_dtype_to_np_dtype(self.dtypes[p])))
-                    for p in self.params}
-            if accumulate:
-                grads = {p: sb.var(accs[p].name) + grads[p] for p in self.params}
-            else:
-                grads = {p: (sb.var(accs[p].name) + grads[p]) * (1.0 / self.k) for p in self.params}
-            acc_names = {p: [accs[p].name, ""] for p in self.params}
-
-        # global gradient norm; the finite flag; clipping
+    def _finite(self, e: "_Emitter", grads: dict[str, Var], loss: Var) -> tuple[Var, Var]:
+        """The sum of squares of every gradient and the ``finite`` output (loss and gradients finite)."""
+        b = e.b
         nb = b.scoped("train/grad_norm", "global L2 norm of the gradients")
         squares = [nb.reduce("ReduceSumSquare", _as_float(nb, grads[p], self.dtypes[p]), None, keepdims=False)
                    for p in self.params]
         sumsq = squares[0] if len(squares) == 1 else nb.op.Sum(*squares)
         fb = b.scoped("train/finite", "true when the loss and every gradient are finite")
-        probe = _as_float(fb, fb.var(self.loss), self.loss_dtype) + sumsq
+        probe = _as_float(fb, fb.var(loss.name), self.loss_dtype) + sumsq
         finite = fb.op.Not(fb.op.Or(fb.op.IsNaN(probe), fb.op.IsInf(probe)))
-        outputs.append((finite, "finite", TensorProto.BOOL, (),
-                        "true when the loss and all gradients are finite; when false, do not use the outputs"
-                        + (" (the graph returns the old values)" if self.guard else "")))
-        rb = b.scoped("train/running_statistics", "running statistics after this batch (train mode)")
-        for r, new_value in self.running.items():
-            value = rb.var(new_value)
+        e.output(finite, "finite", TensorProto.BOOL, (),
+                 "true when the loss and all gradients are finite; when false, do not use the outputs"
+                 + (" (the graph returns the old values)" if self.guard else ""))
+        return sumsq, finite
+
+    def _update(self, e: "_Emitter", grads: dict[str, Var], sumsq: Var, finite: Var
+                ) -> tuple[Var, Var, dict[str, dict[str, list[str]]]]:
+        """The ``grad_norm`` output, clipping, (kept gradients) and the optimizer update of every parameter:
+        the inputs ``lr``, ``step`` and the optimizer state, the outputs ``<param>.next`` and the new state."""
+        b = e.b
+        nb = b.scoped("train/grad_norm", "global L2 norm of the gradients")
+        norm = nb.op.Sqrt(sumsq)
+        e.output(norm, "grad_norm", TensorProto.FLOAT, (),
+                 "global L2 norm of the gradients" + (" (mean over the micro-batches)" if self.k > 1
+                                                      else "") + ", before clipping")
+        if self.clip is not None:
+            cb = b.scoped("train/clip", f"clip the global gradient norm to {self.clip}")
+            coef = cb.op.Min(cb.scalar(self.clip, norm) / (norm + CLIP_EPS), cb.scalar(1.0, norm))
+            grads = {p: grads[p] * _cast_to(cb, coef, self.dtypes[p]) for p in self.params}
+        if self.keep_grads:
+            for p in self.params:
+                e.output(grads[p], f"{p}.grad", self.dtypes[p], self.shapes[p],
+                         f"the gradient the update of '{p}' used (after accumulation and clipping)")
+
+        lr = e.add_input("lr", TensorProto.FLOAT, (), "learning rate of this update (float32 scalar)",
+                         np.array(self.optimizer.lr, np.float32))
+        step = e.add_input("step", TensorProto.INT64, (), "number of this update, 1 for the first (int64 scalar)",
+                           np.array(1, np.int64))
+        ob = b.scoped("train/optimizer", f"{type(self.optimizer).__name__} update")
+        ctx = UpdateContext(ob, lr, step)
+        state_names: dict[str, dict[str, list[str]]] = {}
+        for p in self.params:
+            pb = ob.scoped(f"train/optimizer/{p}", f"{type(self.optimizer).__name__} update of '{p}'")
+            ctx.b = pb
+            optimizer = self.optimizer.for_param(p, self.torch_names.get(p))
+            init_state = optimizer.initial_state(self.initial[p])
+            state = {s: e.add_input(f"{p}.{s}", self.dtypes[p], self.shapes[p],
+                                    f"optimizer state '{s}' of '{p}'", init_state[s])
+                     for s in optimizer.active_state()}
+            new_p, new_state = optimizer.update(ctx, pb.var(p), grads[p], state)
             if self.guard:
-                value = rb.op.Where(finite, value, rb.var(r))
-            outputs.append((value, f"{r}.next", self.dtypes[r], self.shapes[r],
-                            f"running statistic '{r}' after this batch (feed it back as '{r}')"))
-        if accumulate:
-            for p in self.params:
-                acc_names[p][1] = f"{acc_names[p][0]}.next"
-                total = grads[p]
-                if self.guard:
-                    total = b.op.Where(finite, total, b.var(acc_names[p][0]))
-                outputs.append((total, acc_names[p][1], self.dtypes[p], self.shapes[p],
-                                f"'{acc_names[p][0]}' plus this micro-batch's gradient"))
-        else:
-            norm = nb.op.Sqrt(sumsq)
-            outputs.append((norm, "grad_norm", TensorProto.FLOAT, (),
-                            "global L2 norm of the gradients" + (" (mean over the micro-batches)" if self.k > 1
-                                                                 else "") + ", before clipping"))
-            if self.clip is not None:
-                cb = b.scoped("train/clip", f"clip the global gradient norm to {self.clip}")
-                coef = cb.op.Min(cb.scalar(self.clip, norm) / (norm + CLIP_EPS), cb.scalar(1.0, norm))
-                grads = {p: grads[p] * _cast_to(cb, coef, self.dtypes[p]) for p in self.params}
-            if self.keep_grads:
-                for p in self.params:
-                    outputs.append((grads[p], f"{p}.grad", self.dtypes[p], self.shapes[p],
-                                    f"the gradient the update of '{p}' used (after accumulation and clipping)"))
+                new_p = pb.op.Where(finite, new_p, pb.var(p))
+                new_state = {s: pb.op.Where(finite, v, state[s]) for s, v in new_state.items()}
+            e.output(new_p, f"{p}.next", self.dtypes[p], self.shapes[p], f"'{p}' after the update")
+            state_names[p] = {}
+            for s, v in new_state.items():
+                out = f"{state[s].name}.next"
+                e.output(v, out, self.dtypes[p], self.shapes[p], f"'{state[s].name}' after the update")
+                state_names[p][s] = [state[s].name, out]
+        return lr, step, state_names
 
-            lr = add_input("lr", TensorProto.FLOAT, (), "learning rate of this update (float32 scalar)",
-                           np.array(self.optimizer.lr, np.float32))
-            step = add_input("step", TensorProto.INT64, (), "number of this update, 1 for the first (int64 scalar)",
-                             np.array(1, np.int64))
-            ob = b.scoped("train/optimizer", f"{type(self.optimizer).__name__} update")
-            ctx = UpdateContext(ob, lr, step)
-            state_names: dict[str, dict[str, list[str]]] = {}
-            for p in self.params:
-                pb = ob.scoped(f"train/optimizer/{p}", f"{type(self.optimizer).__name__} update of '{p}'")
-                ctx.b = pb
-                optimizer = self.optimizer.for_param(p, self.torch_names.get(p))
-                init_state = optimizer.initial_state(self.initial[p])
-                state = {s: add_input(f"{p}.{s}", self.dtypes[p], self.shapes[p],
-                                      f"optimizer state '{s}' of '{p}'", init_state[s])
-                         for s in optimizer.active_state()}
-                new_p, new_state = optimizer.update(ctx, pb.var(p), grads[p], state)
-                if self.guard:
-                    new_p = pb.op.Where(finite, new_p, pb.var(p))
-                    new_state = {s: pb.op.Where(finite, v, state[s]) for s, v in new_state.items()}
-                outputs.append((new_p, f"{p}.next", self.dtypes[p], self.shapes[p], f"'{p}' after the update"))
-                state_names[p] = {}
-                for s, v in new_state.items():
-                    out = f"{state[s].name}.next"
-                    outputs.append((v, out, self.dtypes[p], self.shapes[p], f"'{state[s].name}' after the update"))
-                    state_names[p][s] = [state[s].name, out]
+class _Emitter:
+    """One graph under construction: its builder and names, and the inputs, initializers and outputs it gains."""
 
-        # name the outputs (renaming their producers where we can, so no copy is made)
+    def __init__(self, b: Builder, names: NameScope, infos: dict[str, TensorInfo], defaults: bool):
+        self.b, self.names, self.infos, self.defaults = b, names, infos, defaults
+        self.inputs: list[onnx.ValueInfoProto] = []
+        self.inits: list[onnx.TensorProto] = []
+        self.outputs: list[tuple[Var, str, int, tuple, str]] = []   # (value, name, dtype, shape, doc)
+
+    def add_input(self, base: str, dtype: int, shape: Sequence[int], doc: str, default: np.ndarray | None) -> Var:
+        name = self.names.fresh(base)
+        vi = helper.make_tensor_value_info(name, dtype, list(shape))
+        vi.doc_string = doc
+        self.inputs.append(vi)
+        self.infos[name] = TensorInfo(dtype, tuple(shape))
+        if default is not None and self.defaults:
+            self.inits.append(numpy_helper.from_array(np.asarray(default), name))
+        return self.b.var(name)
+
+    def output(self, value: Var, base: str, dtype: int, shape: Sequence[int], doc: str) -> None:
+        self.outputs.append((value, base, dtype, tuple(shape), doc))
+
+    def finish(self, m: onnx.ModelProto) -> dict[str, str]:
+        """Name the outputs (renaming their producers where we can, so no copy is made), add everything to
+        ``m``; returns {base name: output name}."""
+        g, b = m.graph, self.b
         final: dict[str, str] = {}
-        for value, base, dtype, shape, doc in outputs:
-            name = names.fresh(base)
+        for value, base, dtype, shape, doc in self.outputs:
+            name = self.names.fresh(base)
             b.name_as(value, name)
             final[base] = name
             vi = helper.make_tensor_value_info(name, dtype, list(shape))
             vi.doc_string = doc
             g.output.append(vi)
-        g.input.extend(new_inputs)
-        for t in new_inits:
+        g.input.extend(self.inputs)
+        for t in self.inits:
             g.initializer.add().CopyFrom(t)
         g.node.extend(b.nodes)
         m.ir_version = M.emitted_ir_version(m)
-
-        spec = TrainingSpec(
-            loss=self.loss, lr="" if accumulate else lr.name, step="" if accumulate else step.name,
-            finite=final["finite"], grad_norm="" if accumulate else final["grad_norm"],
-            data_inputs=data_inputs,
-            params={p: ("" if accumulate else final[f"{p}.next"]) for p in self.params},
-            state={} if accumulate else {p: {s: [i, final[o]] for s, (i, o) in st.items()}
-                                         for p, st in state_names.items()},
-            accumulators={p: [i, final.get(o, o) if o else ""] for p, (i, o) in acc_names.items()},
-            frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
-            accumulation_steps=self.k, guard=self.guard,
-            buffers={r: [r, final[f"{r}.next"]] for r in self.running}, train_mode=self.train_mode,
-            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final})
-        return m, spec
+        return final
 
 
 # -- graph surgery helpers ----------------------------------------------------------------------------

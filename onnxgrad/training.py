@@ -15,6 +15,12 @@ then swaps the two sets: weights never travel to the host between steps.
 A step whose loss or gradients are not finite is never applied: it raises
 :class:`NonFiniteError` (``on_nonfinite="raise"``) or is counted in
 ``skipped_steps`` and warned about (``"skip"``).
+
+With ``data_parallel=True`` and more than one worker, a step runs the split
+graphs (:class:`onnxgrad.artifacts.SplitStep`): backward into flat gradient
+buckets, their sum over the workers (:mod:`onnxgrad.distributed`), then the
+update, so every worker clips, checks finiteness and updates alike. One
+worker keeps the fused single-run step.
 """
 from __future__ import annotations
 
@@ -32,6 +38,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from . import artifacts as A
+from . import distributed as D
 from .errors import OnnxGradError, UnknownNameError
 from .files import atomic_write, runnable, save_model
 from .optim import Optimizer, from_config
@@ -94,6 +101,13 @@ class TrainingSession:
     ``lr`` (the learning rate of the next steps; a scheduler sets it), ``step_count``
     (updates applied), ``skipped_steps`` and ``last_grad_norm`` are plain attributes;
     ``device`` says where parameters and optimizer state live.
+
+    ``data_parallel``: this process is one worker of a data-parallel job (``True``: torch.distributed
+    under ``torchrun`` or an existing process group, MPI under ``mpiexec``; or ``"torch"``, ``"mpi"``). Every
+    worker starts from rank 0's weights; ``step(feeds)`` takes this worker's shard; the gradients are
+    averaged over every sample of every worker (each shard weighted by its size, so uneven shards give the
+    global batch's mean) and of the ``accumulation_steps`` micro-batches, reduced once per update; the loss
+    an update returns is that global mean. ``save`` writes on rank 0 only; ``rank``, ``world_size``.
     """
 
     def __init__(
@@ -112,19 +126,37 @@ class TrainingSession:
         on_nonfinite: str = "raise",
         session_options: Any = None,
         strict_tags: bool = False,
+        data_parallel: "bool | str | D.Engine" = False,
     ):
         import onnxruntime as ort
 
         if on_nonfinite not in ("raise", "skip"):
             raise OnnxGradError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
+        self._ort = ort
+        self._providers = list(providers) if providers is not None else default_providers()
+        self._options = session_options
+        self._engine: D.Engine | None = None
+        if data_parallel is not False:
+            first = self._providers[0]
+            cuda = (first[0] if isinstance(first, tuple) else first) == "CUDAExecutionProvider"
+            self._engine = D.engine(data_parallel, "cuda" if cuda else "cpu")
+            if providers is None and cuda:      # one GPU per worker on its machine
+                self._providers[0] = ("CUDAExecutionProvider", {"device_id": self._engine.local_rank})
+            if session_options is None and not cuda and self._engine.local_world_size > 1:
+                self._options = ort.SessionOptions()       # share the machine's cores among its workers
+                self._options.log_severity_level = 3
+                self._options.intra_op_num_threads = max(1, (os.cpu_count() or 1) // self._engine.local_world_size)
+        self.rank = self._engine.rank if self._engine else 0
+        self.world_size = self._engine.world_size if self._engine else 1
         self.artifacts = A.build(model, loss, optimizer, frozen=frozen, trainable=trainable,
                                  clip_grad_norm=clip_grad_norm, accumulation_steps=accumulation_steps, guard=False,
                                  defaults=False, train_mode=train_mode, keep_grads=keep_grads,
-                                 strict_tags=strict_tags)
+                                 strict_tags=strict_tags, split=self.world_size > 1)
         self._explicit = trainable is not None
         self._strict_tags = strict_tags
-        spec = self.artifacts.spec
+        self._split = self.artifacts.split
+        spec = self._split.spec if self._split else self.artifacts.spec
         self.spec = spec
         self.optimizer = from_config(spec.optimizer)
         self.lr = self.optimizer.lr
@@ -134,18 +166,18 @@ class TrainingSession:
         self._micro = 0              # micro-batches accumulated towards the next update
         self._poisoned = False       # a non-finite micro-batch in this accumulation window
 
-        self._ort = ort
-        self._providers = list(providers) if providers is not None else default_providers()
-        self._options = session_options
+        train = self._split.update if self._split else self.artifacts.train      # the graph that updates
         try:
-            self._train = self._session(self.artifacts.train)
+            self._train = self._session(train)
         except Exception:
             if providers is not None or self._providers == ["CPUExecutionProvider"]:
                 raise
             self._providers = ["CPUExecutionProvider"]    # onnxruntime-gpu without a usable GPU
-            self._train = self._session(self.artifacts.train)
+            self._train = self._session(train)
         self.device, self.device_id = _device_of(self._train)
-        self._accumulate = self._session(self.artifacts.accumulate) if self.artifacts.accumulate else None
+        self._accumulate = (self._session(self.artifacts.accumulate) if self.artifacts.accumulate
+                            and not self._split else None)
+        self._backward = self._session(self._split.backward) if self._split else None
         self._evals: dict[bool, Any] = {}
 
         # device buffers: current values and a spare set the next step writes into
@@ -175,16 +207,26 @@ class TrainingSession:
                                        ("grad_norm", np.float32))}
         self._acc_scalars = {k: ort.OrtValue.ortvalue_from_shape_and_type([], dt, "cpu", 0)
                              for k, dt in (("loss", self._dtype_of(spec.loss)), ("finite", np.bool_))}
-        self._input_types = {i.name: i for s in (self._train, self._accumulate) if s for i in s.get_inputs()}
+        self._input_types = {i.name: i for s in (self._train, self._accumulate, self._backward) if s
+                             for i in s.get_inputs()}
+        if self._split:
+            self._split_buffers()
+        if self.world_size > 1:            # every worker starts from rank 0's weights, as DDP does
+            self._engine.broadcast([self._sets[0][n] for n in sorted(self._sets[0])])
         inits = {x.name for x in self.artifacts.loss_model.graph.initializer}
         self._loss_inputs = [i.name for i in self.artifacts.loss_model.graph.input if i.name not in inits]
 
     # -- running --------------------------------------------------------------------------------------
-    def step(self, feeds: Mapping[str, np.ndarray], lr: float | None = None) -> float:
+    def step(self, feeds: Mapping[str, np.ndarray], lr: float | None = None, *,
+             samples: float | None = None) -> float:
         """One micro-batch: forward, loss, backward and (every ``accumulation_steps``-th call) the update.
 
-        Returns the loss of this batch (computed with the weights before the update).
-        ``lr`` overrides the session's learning rate ``self.lr`` for this step.
+        Returns the loss of this batch (computed with the weights before the update); data parallel, an
+        update returns the mean loss over every worker's samples of its micro-batches.
+        ``lr`` overrides the session's learning rate ``self.lr`` for this step. ``samples`` (data
+        parallel): this shard's weight in the global mean, by default its number of samples (the
+        leading dimension of its first batched input); give the count the loss averages over when it
+        is another (tokens that are not padding). One worker ignores it.
         """
         spec = self.spec
         rate = self.lr if lr is None else lr
@@ -192,6 +234,8 @@ class TrainingSession:
             raise OnnxGradError(f"step: the learning rate must be a finite number >= 0, got {rate!r}; "
                                 "nothing was changed")
         data = self._data(feeds, spec.data_inputs, "step")
+        if self._split:
+            return self._split_step(data, rate, samples)
         if self._micro < spec.accumulation_steps - 1:
             return self._accumulate_step(data)
         io_ = self._train_binding()
@@ -214,6 +258,86 @@ class TrainingSession:
         self._not_finite(loss, "the update was not applied")
         return loss
 
+    # -- data parallel: backward | all-reduce | update --------------------------------------------------
+    def _split_buffers(self) -> None:
+        """The buckets: ``_reduced`` (the update's input, summed in place), and for accumulation two
+        running sums and a zero one."""
+        sp = self._split
+        zeros = {b.name: np.zeros(b.size, helper.tensor_dtype_to_np_dtype(b.dtype)) for b in sp.buckets}
+        self._reduced = {n: self._empty_like(z) for n, z in zeros.items()}
+        if self.spec.accumulation_steps > 1:
+            self._bucket_zero = {n: self._device_value(z) for n, z in zeros.items()}
+            self._bucket_sums = [{n: self._empty_like(z) for n, z in zeros.items()} for _ in range(2)]
+        self._local_loss = self._ort.OrtValue.ortvalue_from_shape_and_type(
+            [], self._dtype_of(sp.local_loss, sp.backward), "cpu", 0)
+
+    def _split_step(self, data: dict[str, np.ndarray], rate: float, samples: float | None) -> float:
+        sp, spec = self._split, self.spec
+        weight = self._samples(data) if samples is None else samples
+        if not isinstance(weight, (int, float, np.floating, np.integer)) or not weight >= 0:
+            raise OnnxGradError(f"step: samples must be a number >= 0, got {samples!r}; nothing was changed")
+        last = self._micro == spec.accumulation_steps - 1
+        io_ = self._backward.io_binding()
+        for name, arr in data.items():
+            io_.bind_cpu_input(name, arr)
+        io_.bind_cpu_input(sp.weight, np.array(weight, np.float32))
+        for name in spec.params:
+            io_.bind_ortvalue_input(name, self._cur[name])
+        spare = self._sets[1 - self._parity]
+        for name, (i, o) in spec.buffers.items():
+            io_.bind_ortvalue_input(i, self._cur[name])
+            io_.bind_ortvalue_output(o, spare[name])
+        sums = None
+        if spec.accumulation_steps > 1:
+            src = self._bucket_sums[self._acc_parity] if self._micro else self._bucket_zero
+            sums = self._reduced if last else self._bucket_sums[1 - self._acc_parity]
+            for b in sp.buckets:
+                io_.bind_ortvalue_input(b.acc, src[b.name])
+        for b in sp.buckets:
+            io_.bind_ortvalue_output(b.name, (sums or self._reduced)[b.name])
+        io_.bind_ortvalue_output(sp.local_loss, self._local_loss)
+        self._backward.run_with_iobinding(io_)
+        loss = float(self._local_loss.numpy())
+        if not last:
+            self._micro += 1
+            self._acc_parity = 1 - self._acc_parity
+            if math.isfinite(loss):       # this micro-batch's running statistics become the current ones
+                for name in spec.buffers:
+                    self._sets[0][name], self._sets[1][name] = self._sets[1][name], self._sets[0][name]
+                if spec.buffers:
+                    self._bindings = None
+            return loss
+        self._engine.all_reduce(list(self._reduced.values()))          # the sum over the workers, in place
+        io_ = self._train_binding()
+        io_.bind_cpu_input(spec.lr, np.array(rate, np.float32))
+        io_.bind_cpu_input(spec.step, np.array(self.step_count + 1, np.int64))
+        self._train.run_with_iobinding(io_)
+        loss = float(self._scalars["loss"].numpy())
+        self.last_grad_norm = float(self._scalars["grad_norm"].numpy())
+        self._micro = 0
+        if bool(self._scalars["finite"].numpy()):     # the same on every worker: it reads the same sums
+            floats = [spare[n] for n in spec.buffers if np.dtype(self._layout[n][1]).kind == "f"]
+            if floats:
+                self._engine.all_reduce(floats, average=True)
+            self._parity = 1 - self._parity
+            self.step_count += 1
+            return loss
+        self._not_finite(loss, "the update was not applied on any worker")
+        return loss
+
+    def _samples(self, data: dict[str, np.ndarray]) -> int:
+        """The leading dimension of the first batched data input: this shard's number of samples."""
+        for name in self.spec.data_inputs:
+            if data[name].ndim:
+                return int(data[name].shape[0])
+        raise OnnxGradError("step: no input has a batch dimension to count this shard's samples; "
+                            "pass samples= (this shard's weight in the global mean)")
+
+    def barrier(self) -> None:
+        """Data parallel: return when every worker has reached it (after rank 0's :meth:`save`, say)."""
+        if self._engine is not None:
+            self._engine.barrier()
+
     @property
     def _cur(self) -> dict[str, Any]:
         return self._sets[self._parity]
@@ -227,13 +351,18 @@ class TrainingSession:
         """The IOBinding reading the current set and writing the other, with the loss scalars bound."""
         if self._bindings is None:
             spec, outputs = self.spec, self._outputs()
+            if self._split:           # the update graph: buckets in; running statistics are the backward's
+                outputs = {i: o for i, o in outputs.items() if i not in spec.buffers}
             self._bindings = []
             for k in (0, 1):
                 io_ = self._train.io_binding()
                 for name, ov in self._sets[k].items():
-                    io_.bind_ortvalue_input(name, ov)
+                    if not (self._split and name in spec.buffers):
+                        io_.bind_ortvalue_input(name, ov)
                 for inp, out in outputs.items():
                     io_.bind_ortvalue_output(out, self._sets[1 - k][inp])
+                for name, ov in (self._reduced.items() if self._split else ()):
+                    io_.bind_ortvalue_input(name, ov)
                 io_.bind_ortvalue_output(spec.loss, self._scalars["loss"])
                 io_.bind_ortvalue_output(spec.finite, self._scalars["finite"])
                 io_.bind_ortvalue_output(spec.grad_norm, self._scalars["grad_norm"])
@@ -286,7 +415,8 @@ class TrainingSession:
         if self.on_nonfinite == "raise":
             raise NonFiniteError(msg + "; parameters and optimizer state are unchanged")
         self.skipped_steps += 1
-        warnings.warn(msg + " (skipped)", NonFiniteWarning, stacklevel=3)
+        if self.rank == 0:               # data parallel: every worker skips, rank 0 says so
+            warnings.warn(msg + " (skipped)", NonFiniteWarning, stacklevel=3)
 
     def eval(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         """Forward only, with the current weights: ``{output name: array}``.
@@ -363,7 +493,16 @@ class TrainingSession:
 
         The file is written beside ``path`` under a temporary name, flushed to disk
         and renamed over ``path``: a crash mid-save leaves the previous file intact.
+        Data parallel: every worker holds the same state and rank 0 alone writes (the others return;
+        :meth:`barrier` before another worker reads it); between the micro-batches of an update the
+        workers' partial sums differ, so saving there is refused.
         """
+        if self._split and self._micro:
+            raise CheckpointError(f"save: {self._micro} of {self.spec.accumulation_steps} micro-batches of this "
+                                  "update are accumulated and each worker's partial sum is its own; save after "
+                                  "the update (when step_count changes)")
+        if self.rank != 0:
+            return
         arrays: list[tuple[dict, np.ndarray]] = []
         for p in self.spec.params:
             arrays.append(({"kind": "param", "name": p}, self._cur[p].numpy()))
@@ -412,8 +551,9 @@ class TrainingSession:
 
     @classmethod
     def load(cls, path: str | os.PathLike, providers: Sequence[Any] | None = None,
-             session_options: Any = None) -> "TrainingSession":
-        """A session rebuilt from a checkpoint written by :meth:`save`, ready to continue training."""
+             session_options: Any = None, data_parallel: "bool | str | D.Engine" = False) -> "TrainingSession":
+        """A session rebuilt from a checkpoint written by :meth:`save`, ready to continue training
+        (``data_parallel``: on every worker, from the file rank 0 wrote)."""
         header, model_bytes, arrays = _read_checkpoint(os.fspath(path))
         model = onnx.ModelProto()
         try:
@@ -430,7 +570,8 @@ class TrainingSession:
                 trainable=header.get("trainable"), train_mode=header.get("train_mode", False),
                 keep_grads=header.get("keep_grads", False), clip_grad_norm=header["clip_grad_norm"],
                 accumulation_steps=header["accumulation_steps"], on_nonfinite=header["on_nonfinite"],
-                session_options=session_options, strict_tags=header.get("strict_tags", False))
+                session_options=session_options, strict_tags=header.get("strict_tags", False),
+                data_parallel=data_parallel)
         s._restore(header, arrays, os.fspath(path))
         return s
 
@@ -451,6 +592,9 @@ class TrainingSession:
         if header.get("accumulation_steps") != spec.accumulation_steps:
             problems.append(f"it accumulates over {header.get('accumulation_steps')} micro-batches, "
                             f"this session over {spec.accumulation_steps}")
+        elif self._split and header.get("micro", 0):
+            problems.append(f"it was saved after {header.get('micro')} micro-batches of an update, and a "
+                            "data-parallel session resumes at an update boundary")
         values: dict[str, np.ndarray] = {}
         accs: dict[str, np.ndarray] = {}
         for meta, a in zip(header["arrays"], arrays):
@@ -523,8 +667,8 @@ class TrainingSession:
         return self._ort.OrtValue.ortvalue_from_shape_and_type(list(arr.shape), arr.dtype, self.device,
                                                                self.device_id)
 
-    def _dtype_of(self, output: str) -> np.dtype:
-        for o in self.artifacts.train.graph.output:
+    def _dtype_of(self, output: str, model: onnx.ModelProto | None = None) -> np.dtype:
+        for o in (model or self._split and self._split.update or self.artifacts.train).graph.output:
             if o.name == output:
                 return np.dtype(helper.tensor_dtype_to_np_dtype(o.type.tensor_type.elem_type))
         return np.dtype(np.float32)
