@@ -165,9 +165,10 @@ class _Pass:
         requires = set(self.wrt)
         path, unsupported, reasons = [], {}, {}
         self._outer_needed: dict[int, frozenset[str]] = {}     # If/Loop/Scan: outer reads needing gradients
+        self._allowed: dict[int, tuple[int, ...]] = {}         # differentiable positions, by id(node)
         for node in self.nodes:
             rule = G.rule_of(node)
-            positions = self._positions_of(node)
+            positions = self._allowed[id(node)] = self._positions_of(node)
             needed = {i for i in positions if node.input[i] in requires}
             inner = M.subgraph_inputs(node) & requires if M.has_subgraph(node) else set()
             if not needed and not inner:
@@ -335,23 +336,28 @@ class _Pass:
         tensor is not made here (a seed, a forward tensor), is a Constant, or already is the gradient
         of another tensor (a gradient passed through unchanged: Add, Identity, a same-shape Reshape)."""
         made = total.name
-        if made in self.renames or made not in self.root.made or made in self.root.constant_names:
-            if made in self.renames:
-                self.grad_of.setdefault(name, self.renames[made])
+        renames = self.renames
+        if made in renames:
+            self.grad_of.setdefault(name, renames[made])
+            return
+        if made not in self.root.made or made in self.root.constant_names:
             return
         new = self.out_names.get(name) or self.names.fresh(f"{name}_grad")
-        self.renames[made] = new
+        renames[made] = new
         self.grad_of[name] = new
-        info, forward = self.infos.get(made), self.infos.get(name)
-        if forward is not None and forward.static and (info is None or not info.static):
-            info = self.infos[made] = TensorInfo(forward.dtype, forward.shape)    # dL/dx has x's shape
-        self.infos[new] = info
+        infos = self.infos
+        info = infos.get(made)
+        if info is None or info.shape is None or None in info.shape:
+            forward = infos.get(name)
+            if forward is not None and forward.shape is not None and None not in forward.shape:
+                info = infos[made] = TensorInfo(forward.dtype, forward.shape)    # dL/dx has x's shape
+        infos[new] = info
 
     def _collect(self, node: onnx.NodeProto, rule: Rule, b: Builder, grads, needed: set[int]) -> None:
         if grads is None or isinstance(grads, Var):
             grads = [grads]
         grads = list(grads)
-        allowed = self._positions_of(node)
+        allowed = self._allowed[id(node)]
         while len(grads) > len(node.input) and grads[-1] is None:
             grads.pop()                     # trailing Nones for optional inputs the node leaves out
         if len(grads) > len(node.input):

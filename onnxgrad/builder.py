@@ -161,6 +161,7 @@ class Builder:
         # set by a caller that adds them to its graph: small int64 constants (axes, shapes) as initializers
         # shared by the whole graph (a viewer draws them inside their readers; never float: no parameters)
         self.int_initializers: dict[tuple, onnx.TensorProto] | None = None
+        self.int_vectors: dict[tuple[int, ...], str] = {}   # ints(values) made as initializers, by values
         self.op = _Ops(self)
 
     def scoped(self, prefix: str, doc: str, op_type: str = "",
@@ -300,7 +301,14 @@ class Builder:
 
     def ints(self, values: Iterable[int]) -> Var:
         """A 1-D int64 constant (axes, shapes, pads given as inputs)."""
-        return self.const(np.array(list(values), dtype=np.int64))
+        key = tuple(int(v) for v in values)
+        name = self.int_vectors.get(key)              # asked of most nodes a rule emits: no numpy on a hit
+        if name is not None:
+            return Var(self, name)
+        v = self.const(np.array(key, dtype=np.int64))
+        if v.name not in self.constant_names:         # a graph-wide initializer, not one scope's Constant
+            self.int_vectors[key] = v.name
+        return v
 
     def scalar(self, value: float, like: Var) -> Var:
         """A scalar of ``like``'s float type."""
@@ -418,6 +426,8 @@ class Builder:
         ts = target.shape
         gs = source.shape if isinstance(source, Var) else source
         gs = grad.shape if gs is None else tuple(gs)
+        if ts is not None and ts == gs and None not in ts:
+            return grad                         # the common case: nothing was broadcast
         if ts is not None and gs is not None and len(gs) >= len(ts):
             lead = len(gs) - len(ts)
             axes = list(range(lead))
