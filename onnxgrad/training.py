@@ -89,7 +89,8 @@ class TrainingSession:
     ``torch.nn.utils.clip_grad_norm_``). ``accumulation_steps=k``: each ``step``
     call is one micro-batch and every k-th applies the mean of their gradients.
     ``on_nonfinite``: "raise" or "skip". ``providers``: onnxruntime execution
-    providers (default: CUDA when available, else CPU).
+    providers (default: CUDA when available, else CPU); the backward is rewritten for the first
+    one (:mod:`onnxgrad.optimize`).
 
     ``lr`` (the learning rate of the next steps; a scheduler sets it), ``step_count``
     (updates applied), ``skipped_steps`` and ``last_grad_norm`` are plain attributes;
@@ -118,10 +119,13 @@ class TrainingSession:
         if on_nonfinite not in ("raise", "skip"):
             raise OnnxGradError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
         self.on_nonfinite = on_nonfinite
+        from .optimize import target_for
+
         self.artifacts = A.build(model, loss, optimizer, frozen=frozen, trainable=trainable,
                                  clip_grad_norm=clip_grad_norm, accumulation_steps=accumulation_steps, guard=False,
                                  defaults=False, train_mode=train_mode, keep_grads=keep_grads,
-                                 strict_tags=strict_tags)
+                                 strict_tags=strict_tags,
+                                 target=target_for(providers if providers is not None else default_providers()))
         self._explicit = trainable is not None
         self._strict_tags = strict_tags
         spec = self.artifacts.spec
