@@ -96,7 +96,8 @@ def test_conv_weight_grad_patches_inside_a_model():
     model = make_model([helper.make_node("Conv", ["x", "w"], ["c"], name="conv", strides=[2, 1], pads=[1, 0, 1, 1]),
                         helper.make_node("Tanh", ["c"], ["y"], name="tanh")],
                        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
-                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b", "c", "d"])], [numpy_helper.from_array(w, "w")])
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b", "c", "d"])],
+                       [numpy_helper.from_array(w, "w")])
     _equivalent(model, {"x": x}, "conv_weight_grad_patches", wrt=["x", "w"], of=["y"])
 
 
