@@ -1,12 +1,14 @@
 """Speed of a training step: onnxgrad.TrainingSession (AdamW) vs the onnxruntime forward and PyTorch eager.
 
-Three models are built here with onnx.helper (no torch needed to build them):
+Four models are built here with onnx.helper (no torch needed to build them):
 
 - ``mlp``: 784-512-512-10 MLP (Gemm transB=1, ReLU), batch 64, cross-entropy;
 - ``cnn``: [3x3 conv (pad 1) + ReLU + 2x2 max-pool] with 32 then 64 channels on
   3x32x32 input, Flatten, Linear to 10 classes, batch 32, cross-entropy;
 - ``transformer``: one pre-LayerNorm block, d_model 256, 4 heads, seq 128,
-  MLP 1024 with erf-GELU, explicit softmax attention (MatMul, Softmax), batch 8, MSE.
+  MLP 1024 with erf-GELU, explicit softmax attention (MatMul, Softmax), batch 8, MSE;
+- ``resnet18``: torchvision's ResNet-18 layout (Conv without bias + BatchNormalization, trained in
+  train mode), 3x112x112, batch 8, 100 classes, cross-entropy.
 
 For each model it prints, measured interleaved in one run after warm-up
 (median [min] of ``--reps`` single calls, in ms): the build time (artifacts,
@@ -15,7 +17,8 @@ forward (weights as initializers), the gradient graph (forward + loss +
 backward, no update, weights as initializers), the TrainingSession AdamW step,
 the ratios step/forward and gradient/forward, and, when torch is importable,
 PyTorch eager's step (zero_grad, forward, loss, backward, AdamW.step) on the
-same weights and batch. Every framework runs with 2 intra-op threads
+same weights and batch, and the same step with the forward and loss through ``torch.compile``
+(compiled during warm-up; ``--no-compile`` skips it). Every framework runs with 2 intra-op threads
 (``BENCH_THREADS``) whose idle threads block rather than spin: on shared,
 oversubscribed cores (where this was written) spinning threads stall the other
 side for whole scheduler slices and medians swing 2-10x. On a machine with free
