@@ -1,12 +1,14 @@
 """Speed of a training step: onnxgrad.TrainingSession (AdamW) vs the onnxruntime forward and PyTorch eager.
 
-Three models are built here with onnx.helper (no torch needed to build them):
+Four models are built here with onnx.helper (no torch needed to build them):
 
 - ``mlp``: 784-512-512-10 MLP (Gemm transB=1, ReLU), batch 64, cross-entropy;
 - ``cnn``: [3x3 conv (pad 1) + ReLU + 2x2 max-pool] with 32 then 64 channels on
   3x32x32 input, Flatten, Linear to 10 classes, batch 32, cross-entropy;
 - ``transformer``: one pre-LayerNorm block, d_model 256, 4 heads, seq 128,
-  MLP 1024 with erf-GELU, explicit softmax attention (MatMul, Softmax), batch 8, MSE.
+  MLP 1024 with erf-GELU, explicit softmax attention (MatMul, Softmax), batch 8, MSE;
+- ``resnet18``: torchvision's ResNet-18 layout (Conv without bias + BatchNormalization, trained in
+  train mode), 3x112x112, batch 8, 100 classes, cross-entropy.
 
 For each model it prints, measured interleaved in one run after warm-up
 (median [min] of ``--reps`` single calls, in ms): the build time (artifacts,
@@ -15,7 +17,8 @@ forward (weights as initializers), the gradient graph (forward + loss +
 backward, no update, weights as initializers), the TrainingSession AdamW step,
 the ratios step/forward and gradient/forward, and, when torch is importable,
 PyTorch eager's step (zero_grad, forward, loss, backward, AdamW.step) on the
-same weights and batch. Every framework runs with 2 intra-op threads
+same weights and batch, and the same step with the forward and loss through ``torch.compile``
+(compiled during warm-up; ``--no-compile`` skips it). Every framework runs with 2 intra-op threads
 (``BENCH_THREADS``) whose idle threads block rather than spin: on shared,
 oversubscribed cores (where this was written) spinning threads stall the other
 side for whole scheduler slices and medians swing 2-10x. On a machine with free
@@ -68,7 +71,7 @@ class Bench:
     feeds: dict[str, np.ndarray]        # forward inputs
     target: dict[str, np.ndarray]       # the loss's target input
     weights: dict[str, np.ndarray]
-    torch_step: Callable[[dict[str, np.ndarray]], Callable[[], float]] | None = None
+    torch_step: Callable[..., Callable[[], float]] | None = None    # (weights, compile=False) -> step
 
 
 def _init(rng, shape, fan_in) -> np.ndarray:
@@ -106,7 +109,7 @@ def mlp(batch: int = 64) -> Bench:
     feeds = {"x": rng.standard_normal((batch, 784)).astype(np.float32)}
     target = {"y": rng.integers(0, 10, batch).astype(np.int64)}
 
-    def torch_step(params):
+    def torch_step(params, compile: bool = False):
         import torch
         import torch.nn.functional as F
 
@@ -120,7 +123,7 @@ def mlp(batch: int = 64) -> Bench:
                 if i < 2:
                     h = F.relu(h)
             return F.cross_entropy(h, y)
-        return _torch_adamw(p, loss_fn)
+        return _torch_adamw(p, loss_fn, compile)
 
     return Bench("mlp", m, "logits", losses.CrossEntropyLoss(output="logits", target="y"), feeds, target, w,
                  torch_step)
@@ -148,7 +151,7 @@ def cnn(batch: int = 32) -> Bench:
     feeds = {"x": rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)}
     target = {"y": rng.integers(0, 10, batch).astype(np.int64)}
 
-    def torch_step(params):
+    def torch_step(params, compile: bool = False):
         import torch
         import torch.nn.functional as F
 
@@ -160,7 +163,7 @@ def cnn(batch: int = 32) -> Bench:
             for i in (1, 2):
                 h = F.max_pool2d(F.relu(F.conv2d(h, p[f"conv{i}.weight"], p[f"conv{i}.bias"], padding=1)), 2)
             return F.cross_entropy(F.linear(h.flatten(1), p["fc.weight"], p["fc.bias"]), y)
-        return _torch_adamw(p, loss_fn)
+        return _torch_adamw(p, loss_fn, compile)
 
     return Bench("cnn", m, "logits", losses.CrossEntropyLoss(output="logits", target="y"), feeds, target, w,
                  torch_step)
@@ -222,7 +225,7 @@ def transformer(batch: int = 8, seq: int = 128, d: int = 256, heads: int = 4, hi
     feeds = {"x": rng.standard_normal((batch, seq, d)).astype(np.float32)}
     target = {"target": rng.standard_normal((batch, seq, d)).astype(np.float32)}
 
-    def torch_step(params):
+    def torch_step(params, compile: bool = False):
         import torch
         import torch.nn.functional as F
 
@@ -241,19 +244,102 @@ def transformer(batch: int = 8, seq: int = 128, d: int = 256, heads: int = 4, hi
             h = F.gelu(torch.matmul(h, p["fc1.weight"]) + p["fc1.bias"])
             out = r + torch.matmul(h, p["fc2.weight"]) + p["fc2.bias"]
             return F.mse_loss(out, t)
-        return _torch_adamw(p, loss_fn)
+        return _torch_adamw(p, loss_fn, compile)
 
     return Bench("transformer", m, "out", losses.MSELoss(output="out", target="target"), feeds, target, w,
                  torch_step)
 
 
-MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer}
+def resnet18(batch: int = 8, size: int = 112, classes: int = 100) -> Bench:
+    """ResNet-18 (torchvision's layout: 7x7/2 stem, 3x3/2 max-pool, four stages of two basic blocks,
+    1x1/2 projection shortcuts, global average pool, Linear), Conv without bias + BatchNormalization."""
+    from onnxgrad import losses
+
+    rng = np.random.default_rng(3)
+    w: dict[str, np.ndarray] = {}
+    N = helper.make_node
+    nodes: list[onnx.NodeProto] = []
+    plan: list[tuple] = []            # the same network for PyTorch: ("conv", name, stride, pad) / ("relu",) ...
+
+    def conv_bn(x: str, name: str, cin: int, cout: int, k: int, stride: int, relu: bool) -> str:
+        w[f"{name}.weight"] = _init(rng, (cout, cin, k, k), cin * k * k)
+        w[f"{name}.bn.weight"] = np.ones(cout, np.float32)
+        w[f"{name}.bn.bias"] = np.zeros(cout, np.float32)
+        w[f"{name}.bn.running_mean"] = np.zeros(cout, np.float32)
+        w[f"{name}.bn.running_var"] = np.ones(cout, np.float32)
+        nodes.append(N("Conv", [x, f"{name}.weight"], [f"{name}_c"], kernel_shape=[k, k], strides=[stride, stride],
+                       pads=[k // 2] * 4, name=name))
+        nodes.append(N("BatchNormalization", [f"{name}_c", f"{name}.bn.weight", f"{name}.bn.bias",
+                                              f"{name}.bn.running_mean", f"{name}.bn.running_var"],
+                       [f"{name}_bn"], epsilon=1e-5, momentum=0.9, name=f"{name}.bn"))
+        if not relu:
+            return f"{name}_bn"
+        nodes.append(N("Relu", [f"{name}_bn"], [f"{name}_r"], name=f"{name}.relu"))
+        return f"{name}_r"
+
+    h = conv_bn("x", "conv1", 3, 64, 7, 2, True)
+    nodes.append(N("MaxPool", [h], ["pool"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], name="maxpool"))
+    h, cin = "pool", 64
+    for stage, cout in enumerate((64, 128, 256, 512), start=1):
+        for block in range(2):
+            name, stride = f"layer{stage}.{block}", (2 if stage > 1 and block == 0 else 1)
+            a = conv_bn(h, f"{name}.conv1", cin, cout, 3, stride, True)
+            b = conv_bn(a, f"{name}.conv2", cout, cout, 3, 1, False)
+            short = conv_bn(h, f"{name}.downsample", cin, cout, 1, stride, False) if stride != 1 or cin != cout else h
+            nodes += [N("Add", [b, short], [f"{name}_sum"], name=f"{name}.add"),
+                      N("Relu", [f"{name}_sum"], [f"{name}_out"], name=f"{name}.relu")]
+            plan.append((name, stride, stride != 1 or cin != cout))
+            h, cin = f"{name}_out", cout
+    w["fc.weight"], w["fc.bias"] = _init(rng, (classes, 512), 512), _init(rng, (classes,), 512)
+    nodes += [N("GlobalAveragePool", [h], ["gap"], name="avgpool"),
+              N("Flatten", ["gap"], ["flat"], axis=1, name="flatten"),
+              N("Gemm", ["flat", "fc.weight", "fc.bias"], ["logits"], transB=1, name="fc")]
+    m = _model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, size, size])],
+               [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, classes])], w)
+    feeds = {"x": rng.standard_normal((batch, 3, size, size)).astype(np.float32)}
+    target = {"y": rng.integers(0, classes, batch).astype(np.int64)}
+
+    def torch_step(params, compile: bool = False):
+        import torch
+        import torch.nn.functional as F
+
+        trainable = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in params.items() if "running" not in k}
+        stats = {k: torch.from_numpy(v.copy()) for k, v in params.items() if "running" in k}
+        x, y = torch.from_numpy(feeds["x"]), torch.from_numpy(target["y"])
+
+        def cbr(h, name, stride, relu):
+            k = trainable[f"{name}.weight"].shape[-1]
+            h = F.conv2d(h, trainable[f"{name}.weight"], stride=stride, padding=k // 2)
+            h = F.batch_norm(h, stats[f"{name}.bn.running_mean"], stats[f"{name}.bn.running_var"],
+                             trainable[f"{name}.bn.weight"], trainable[f"{name}.bn.bias"], training=True,
+                             momentum=0.1, eps=1e-5)
+            return F.relu(h) if relu else h
+
+        def loss_fn():
+            h = F.max_pool2d(cbr(x, "conv1", 2, True), 3, 2, 1)
+            for name, stride, project in plan:
+                a = cbr(h, f"{name}.conv1", stride, True)
+                b = cbr(a, f"{name}.conv2", 1, False)
+                h = F.relu(b + (cbr(h, f"{name}.downsample", stride, False) if project else h))
+            h = F.adaptive_avg_pool2d(h, 1).flatten(1)
+            return F.cross_entropy(F.linear(h, trainable["fc.weight"], trainable["fc.bias"]), y)
+        return _torch_adamw(trainable, loss_fn, compile)
+
+    return Bench("resnet18", m, "logits", losses.CrossEntropyLoss(output="logits", target="y"), feeds, target, w,
+                 torch_step)
 
 
-def _torch_adamw(params, loss_fn) -> Callable[[], float]:
+MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "resnet18": resnet18}
+
+
+def _torch_adamw(params, loss_fn, compile: bool = False) -> Callable[[], float]:
+    """PyTorch's step: zero_grad, forward, loss, backward, AdamW.step (torch's default AdamW);
+    ``compile``: the forward and loss through ``torch.compile`` (its backward compiled by AOTAutograd)."""
     import torch
 
     opt = torch.optim.AdamW(params.values(), lr=1e-3)
+    if compile:
+        loss_fn = torch.compile(loss_fn)
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
@@ -295,9 +381,14 @@ def training_session(bench: Bench, profile: str | None = None):
 
 
 def gradient_model(bench: Bench) -> onnx.ModelProto:
+    import inspect
+
     import onnxgrad
 
-    return onnxgrad.grad(bench.loss(bench.forward), wrt=list(bench.weights), loss="loss")
+    # rewritten for onnxruntime's CPU kernels, as TrainingSession does on the CPU provider (older
+    # onnxgrad versions, benchmarked for a before/after, have no target)
+    target = {"target": "cpu"} if "target" in inspect.signature(onnxgrad.grad).parameters else {}
+    return onnxgrad.grad(bench.loss(bench.forward), wrt=list(bench.weights), loss="loss", **target)
 
 
 # -- measuring ------------------------------------------------------------------------------------
@@ -307,7 +398,7 @@ def _time(fn: Callable[[], Any]) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def measure(bench: Bench, reps: int, warmup: int, with_torch: bool) -> dict:
+def measure(bench: Bench, reps: int, warmup: int, with_torch: bool, with_compile: bool = False) -> dict:
     import onnxgrad.artifacts as A
 
     t0 = time.perf_counter()
@@ -334,9 +425,15 @@ def measure(bench: Bench, reps: int, warmup: int, with_torch: bool) -> dict:
 
         torch.set_num_threads(THREADS)
         runs["torch"] = bench.torch_step(bench.weights)
-    for fn in runs.values():
+        if with_compile:
+            runs["compile"] = bench.torch_step(bench.weights, compile=True)
+    t_compile = None
+    for k, fn in runs.items():
+        t0 = time.perf_counter()
         for _ in range(warmup):
             fn()
+        if k == "compile":
+            t_compile = time.perf_counter() - t0
     times: dict[str, list[float]] = {k: [] for k in runs}
     for _ in range(reps):
         for k, fn in runs.items():         # interleaved: each round times every candidate once
@@ -345,7 +442,7 @@ def measure(bench: Bench, reps: int, warmup: int, with_torch: bool) -> dict:
     med = {k: float(np.median(v)) for k, v in times.items()}
     low = {k: float(np.min(v)) for k, v in times.items()}
     return {"model": bench.name, "build_grad_s": t_grad, "build_artifacts_s": t_artifacts,
-            "session_s": t_session, "ms": med, "min": low, "times": times,
+            "session_s": t_session, "compile_s": t_compile, "ms": med, "min": low, "times": times,
             "fwd_nodes": len(bench.forward.graph.node), "grad_nodes": len(gm.graph.node),
             "train_nodes": len(ts.artifacts.train.graph.node)}
 
@@ -447,6 +544,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (it compiles for a minute or so)")
     ap.add_argument("--memory", action="store_true", help="peak RSS of a step, each framework in a fresh process")
     ap.add_argument("--profile", metavar="MODEL", choices=list(MODELS))
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
@@ -469,19 +567,23 @@ def main(argv: list[str]) -> None:
           f"torch: {'yes' if have_torch else 'no'} (OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}); "
           f"median [min] of {args.reps} interleaved runs after {args.warmup} warm-up, in ms")
     results = []
-    print(f"{'model':<12} {'build s':>11} {'forward':>15} {'gradient':>15} {'step':>15} {'torch step':>15} "
-          f"{'step/fwd':>8} {'grad/fwd':>8} {'step/torch':>10} {'nodes f/g/t':>14}")
+    print(f"{'model':<12} {'build s':>11} {'forward':>15} {'gradient':>15} {'step':>17} {'torch step':>17} "
+          f"{'compiled step':>17} {'step/fwd':>8} {'grad/fwd':>8} {'step/torch':>10} {'step/compiled':>13} "
+          f"{'nodes f/g/t':>14}")
     for name in args.models:
-        r = measure(MODELS[name](), args.reps, args.warmup, have_torch)
+        r = measure(MODELS[name](), args.reps, args.warmup, have_torch, have_torch and not args.no_compile)
         ms, lo = r["ms"], r["min"]
 
         def cell(k: str) -> str:
             return f"{ms[k]:.2f} [{lo[k]:.2f}]" if k in ms else "-"
-        ratio = f"{ms['step'] / ms['torch']:.2f}" if "torch" in ms else "-"
+
+        def ratio(k: str) -> str:
+            return f"{ms['step'] / ms[k]:.2f}" if k in ms else "-"
         build = f"{r['build_artifacts_s']:.2f}+{r['session_s']:.2f}"
-        print(f"{name:<12} {build:>11} {cell('forward'):>15} {cell('gradient'):>15} {cell('step'):>15} "
-              f"{cell('torch'):>15} {ms['step'] / ms['forward']:>8.2f} {ms['gradient'] / ms['forward']:>8.2f} "
-              f"{ratio:>10} {r['fwd_nodes']:>4}/{r['grad_nodes']}/{r['train_nodes']}", flush=True)
+        print(f"{name:<12} {build:>11} {cell('forward'):>15} {cell('gradient'):>15} {cell('step'):>17} "
+              f"{cell('torch'):>17} {cell('compile'):>17} {ms['step'] / ms['forward']:>8.2f} "
+              f"{ms['gradient'] / ms['forward']:>8.2f} {ratio('torch'):>10} {ratio('compile'):>13} "
+              f"{r['fwd_nodes']:>4}/{r['grad_nodes']}/{r['train_nodes']}", flush=True)
         if args.memory:
             r["memory"] = memory(name, ["onnxgrad"] + (["torch"] if have_torch else []))
             for fw, m in r["memory"].items():

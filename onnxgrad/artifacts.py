@@ -182,6 +182,7 @@ def build(
     keep_grads: bool = False,
     strict_tags: bool = False,
     split: bool = False,
+    target: str | None = None,
 ) -> TrainingArtifacts:
     """Build the training, eval (and accumulation) models.
 
@@ -196,6 +197,8 @@ def build(
     parameter, buffer and state tensor is a required input and
     :meth:`TrainingArtifacts.initial_values` holds their starting values. ``split``: also build the
     step as two graphs with the gradient reduction between them (:class:`SplitStep`, data parallelism).
+    ``target``: the runtime the backward is rewritten for (:func:`onnxgrad.grad`'s; None: the canonical
+    adjoints).
     """
     optimizer = optimizer if optimizer is not None else AdamW()
     if not isinstance(optimizer, Optimizer):
@@ -236,7 +239,7 @@ def build(
     if train_mode:
         tm = to_train_mode(loss_model)
         differentiated, running = tm.model, tm.running
-    gm = grad(differentiated, wrt=params, loss=loss_name, strict_tags=strict_tags)
+    gm = grad(differentiated, wrt=params, loss=loss_name, strict_tags=strict_tags, target=target)
     return _Builder(loss_model, forward, gm, loss_name, params, frozen, optimizer, clip_grad_norm,
                     int(accumulation_steps), guard, defaults, running, keep_grads, report, train_mode).run(split)
 

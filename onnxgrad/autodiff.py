@@ -36,6 +36,7 @@ def grad(
     allow_unused: bool = False,
     strict_tags: bool = False,
     group: bool = False,
+    target: str | None = None,
 ) -> onnx.ModelProto:
     """Append the backward graph to ``model``; return the new model.
 
@@ -48,14 +49,22 @@ def grad(
     the ONNX schemas' differentiability tags only, without the gradients PyTorch
     computes beyond them (LSTM initial states, Clip bounds, GridSample's grid, ...). ``group``: each
     forward node's backward as one call of a model-local function (one node per forward node in a
-    graph viewer; runtimes inline them, the values are the same).
+    graph viewer; runtimes inline them, the values are the same). ``target``: rewrite the backward for
+    a runtime (``"cpu"``, ``"cuda"``: see :mod:`onnxgrad.optimize`); None keeps the canonical adjoints
+    (as does ``group``, a graph for reading).
     """
     # The pass allocates many small objects and frees nothing until it ends: the cyclic garbage
     # collector's passes over them would only make large graphs slower than linear.
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _Pass(M.load(model), _names(wrt), _names(of), loss, allow_unused, strict_tags, group).run()
+        p = _Pass(M.load(model), _names(wrt), _names(of), loss, allow_unused, strict_tags, group)
+        out = p.run()
+        if target is not None and not group:
+            from .optimize import optimize
+
+            out, _ = optimize(out, target, first=len(p.nodes))
+        return out
     finally:
         if enabled:
             gc.enable()

@@ -42,6 +42,7 @@ from . import distributed as D
 from .errors import OnnxGradError, UnknownNameError
 from .files import atomic_write, runnable, save_model
 from .optim import Optimizer, from_config
+from .optimize import target_for
 
 __all__ = ["TrainingSession", "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError",
            "NonFiniteError", "NonFiniteWarning"]
@@ -96,7 +97,8 @@ class TrainingSession:
     ``torch.nn.utils.clip_grad_norm_``). ``accumulation_steps=k``: each ``step``
     call is one micro-batch and every k-th applies the mean of their gradients.
     ``on_nonfinite``: "raise" or "skip". ``providers``: onnxruntime execution
-    providers (default: CUDA when available, else CPU).
+    providers (default: CUDA when available, else CPU); the backward is rewritten for the first
+    one (:mod:`onnxgrad.optimize`).
 
     ``lr`` (the learning rate of the next steps; a scheduler sets it), ``step_count``
     (updates applied), ``skipped_steps`` and ``last_grad_norm`` are plain attributes;
@@ -152,7 +154,8 @@ class TrainingSession:
         self.artifacts = A.build(model, loss, optimizer, frozen=frozen, trainable=trainable,
                                  clip_grad_norm=clip_grad_norm, accumulation_steps=accumulation_steps, guard=False,
                                  defaults=False, train_mode=train_mode, keep_grads=keep_grads,
-                                 strict_tags=strict_tags, split=self.world_size > 1)
+                                 strict_tags=strict_tags, split=self.world_size > 1,
+                                 target=target_for(self._providers))
         self._explicit = trainable is not None
         self._strict_tags = strict_tags
         self._split = self.artifacts.split

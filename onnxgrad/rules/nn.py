@@ -25,14 +25,12 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import TensorProto
 
 from ..builder import Var
 from ..registry import register
 
 _SAME = ("SAME_UPPER", "SAME_LOWER")
 _INT64_MAX = int(np.iinfo(np.int64).max)
-_INT64_MIN = int(np.iinfo(np.int64).min)
 
 
 # -- window geometry ----------------------------------------------------------------------
@@ -192,19 +190,13 @@ def _window_transpose(n, dy: Var, w: Var, x: Var, geo: _Geo, group: int = 1) -> 
     return n.op.Slice(full, starts, starts + dims, b.ints(geo.axes))
 
 
-def _filter_grad(n, x: Var, dy: Var, geo: _Geo, group: int, shapes: tuple | None = None) -> Var:
+def _filter_grad(n, x: Var, dy: Var, geo: _Geo, group: int) -> Var:
     """dW[m, c, k] = sum_{b,o} dy[b, m, o] * x_padded[b, g(m)*Cg + c, o*s + k*d]:
     a Conv of x (channels as batch) with dy (batch as input channels) as its kernel,
-    strides and dilations exchanged, then cropped to the kernel size; with static
-    geometry and group 1, one Gemm over im2col columns instead (:func:`_filter_grad_gemm`).
-    ``shapes``: the static shapes of x and dy (the forward node's tensors they stand for:
-    a gradient Var carries no shape).
+    strides and dilations exchanged, then cropped to the kernel size (JAX's conv
+    transpose pair). Runtime-tuned forms are rewrites: see :mod:`onnxgrad.optimize`.
     """
     b, rank, axes = n.b, geo.rank, geo.axes
-    if group == 1 and shapes is not None:
-        dw = _filter_grad_gemm(n, x, dy, geo, *shapes)
-        if dw is not None:
-            return dw
     if geo.begin is None:
         begin, end = _same_pads(n, x, geo)
         zeros = b.ints([0, 0])
@@ -232,55 +224,6 @@ def _filter_grad(n, x: Var, dy: Var, geo: _Geo, group: int, shapes: tuple | None
         if full == geo.kernel:
             return dw
     return n.op.Slice(dw, b.ints([0] * rank), b.ints(geo.kernel), b.ints(axes))
-
-
-# The im2col matrix of _filter_grad_gemm holds prod(kernel) copies of x; above this many elements the
-# Conv form (no copies) is used instead.
-_IM2COL_MAX_ELEMENTS = 1 << 24
-
-
-def _filter_grad_gemm(n, x: Var, dy: Var, geo: _Geo, xs: tuple | None, ys: tuple | None) -> Var | None:
-    """dW[m, (k, c)] = sum over rows (b, o) of dy[b, m, o] * x_padded[b, c, o*s + k*d]: one Gemm.
-
-    The columns are the kernel taps of x (im2col): one strided Slice of the padded
-    x per tap, concatenated; the rows are batch and output positions flattened. In
-    onnxruntime one large Gemm beats the Conv form, whose kernel (dy) is as large as
-    the image and whose output (the taps) is tiny: 3.0 ms against 5.3 ms (slices
-    included) for the 32->64-channel 3x3 conv of bench/bench_step.py's CNN, 1 thread.
-    Needs static geometry and channels (None otherwise, and when the columns would
-    exceed ``_IM2COL_MAX_ELEMENTS``).
-    """
-    if not geo.static or xs is None or ys is None or None in xs[:2] or ys[1] is None:
-        return None
-    batch, channels, m = xs[0], xs[1], ys[1]
-    taps = int(np.prod(geo.kernel))
-    if batch is None or taps * channels * batch * int(np.prod(geo.out_dims)) > _IM2COL_MAX_ELEMENTS:
-        return None
-    b, rank, axes = n.b, geo.rank, geo.axes
-    # padded length each axis needs: the last tap's last read is (k-1)*d + s*(out-1) from the padded start
-    ends = [max(0, e + s * (o - 1) - pb - size)
-            for e, s, o, pb, size in zip(geo.extent, geo.strides, geo.out_dims, geo.begin, geo.in_dims)]
-    xt = n.op.Transpose(x, perm=[1, 0, *axes])                                      # [C, N, *D]
-    if any(geo.begin) or any(ends):
-        xt = n.op.Pad(xt, b.ints([0, 0, *geo.begin, 0, 0, *ends]))
-    if taps == 1 and all(s == 1 for s in geo.strides) and list(geo.in_dims) == list(geo.out_dims):
-        cols = xt                                                                   # 1x1, stride 1: x itself
-    else:
-        steps = b.ints(geo.strides) if any(s != 1 for s in geo.strides) else None
-        spatial = b.ints(axes)
-        columns = []
-        for tap in itertools.product(*[range(k) for k in geo.kernel]):
-            starts = [t * d for t, d in zip(tap, geo.dilations)]
-            stops = [st + s * (o - 1) + 1 for st, s, o in zip(starts, geo.strides, geo.out_dims)]
-            columns.append(n.op.Slice(xt, b.ints(starts), b.ints(stops), spatial, steps))   # [C, N, *O]
-        cols = columns[0] if taps == 1 else n.op.Concat(*columns, axis=0)           # [K*C, N, *O]
-    cols = n.op.Reshape(cols, b.ints([taps * channels, -1]))                        # [K*C, N*prod(O)]
-    rows = n.op.Reshape(n.op.Transpose(dy, perm=[1, 0, *axes]), b.ints([m, -1]))  # [M, N*prod(O)]
-    dw = n.op.Gemm(rows, cols, transB=1)                                            # [M, K*C]
-    if taps == 1:
-        return n.op.Reshape(dw, b.ints([m, channels, *geo.kernel]))
-    dw = n.op.Reshape(dw, b.ints([m, *geo.kernel, channels]))
-    return n.op.Transpose(dw, perm=[0, rank + 1, *range(1, rank + 1)])             # [M, C, *K]
 
 
 def _conv_transpose_geometry(n, x: Var, kernel: list[int]) -> _Geo:
@@ -357,32 +300,6 @@ def _pool_window_transpose(n, g: Var, x: Var, geo: _Geo) -> Var:
     return b.reshape_like(summed, x)
 
 
-# Channels from which the stride-1 input gradient is a Conv rather than a ConvTranspose (below, measured slower)
-_FLIPPED_CONV_MIN_CHANNELS = 16
-
-
-def _flipped_conv(n, dy: Var, w: Var, geo: _Geo, group: int) -> Var | None:
-    """Stride 1, dilation 1, group 1: dx = Conv(dy, flip(w)^T), the kernel's channels exchanged and
-    its taps reversed, with pads extent - 1 - pad (None where that does not apply).
-
-    onnxruntime's Conv (NCHWc) beats its ConvTranspose here: 1.33 against 1.77 ms for the
-    64->32-channel 3x3 input gradient of bench/bench_step.py's CNN, 2 threads; with 3 output
-    channels it is the other way round (1.11 against 0.62 ms), hence the channel threshold.
-    """
-    shape = w.shape
-    if (group != 1 or not geo.static or any(s != 1 for s in geo.strides) or any(d != 1 for d in geo.dilations)
-            or shape is None or None in shape[:2] or min(shape[:2]) < _FLIPPED_CONV_MIN_CHANNELS):
-        return None
-    begin = [e - 1 - pb for e, pb in zip(geo.extent, geo.begin)]
-    end = [size - out + e - 1 - bb for size, out, e, bb in zip(geo.in_dims, geo.out_dims, geo.extent, begin)]
-    if min(begin + end) < 0:
-        return None
-    b, rank = n.b, geo.rank
-    flipped = n.op.Slice(n.op.Transpose(w, perm=[1, 0, *geo.axes]), b.ints([-1] * rank),
-                         b.ints([_INT64_MIN] * rank), b.ints(geo.axes), b.ints([-1] * rank))
-    return n.op.Conv(dy, flipped, pads=begin + end)
-
-
 # -- Conv and ConvTranspose ----------------------------------------------------------------------
 @register("Conv")
 def conv(n):
@@ -394,12 +311,8 @@ def conv(n):
     x, w = n.inputs[0], n.inputs[1]
     geo = _geometry(n, x, _kernel(n, w))
     group = n.attr("group", 1)
-    dx = None
-    if n.needs(0):
-        dx = _flipped_conv(n, n.dy, w, geo, group)
-        if dx is None:
-            dx = _window_transpose(n, n.dy, w, x, geo, group)
-    dw = _filter_grad(n, x, n.dy, geo, group, (x.shape, n.outputs[0].shape)) if n.needs(1) else None
+    dx = _window_transpose(n, n.dy, w, x, geo, group) if n.needs(0) else None
+    dw = _filter_grad(n, x, n.dy, geo, group) if n.needs(1) else None
     db = n.b.sum(n.dy, [0, *geo.axes], keepdims=False) if n.needs(2) else None
     return (dx, dw, db)[:len(n.inputs)]
 
@@ -424,7 +337,7 @@ def conv_transpose(n):
             if length != geo.out_dims:      # an output_shape longer than the natural size
                 dx = n.op.Slice(dx, n.b.ints([0] * geo.rank), n.b.ints(geo.out_dims), n.b.ints(geo.axes))
     if n.needs(1):
-        dw = _filter_grad(n, n.dy, x, geo, group, (n.outputs[0].shape, x.shape))
+        dw = _filter_grad(n, n.dy, x, geo, group)
     if n.needs(2):
         db = n.b.sum(n.dy, [0, *geo.axes], keepdims=False)
     return (dx, dw, db)[:len(n.inputs)]
@@ -522,20 +435,12 @@ def _lp_local(n, x: Var, p: int) -> Var:
 
 @register("MaxPool")
 def max_pool(n):
-    """y[o] = x[i(o)], i(o) = argmax over window o (the Indices output):  dx.flat[i(o)] += dy[o]
-
-    2-D k x k windows that tile the image (stride k, no pads): the first maximum of each tile
-    is found again by ArgMax (see :func:`_max_pool_tiles_grad`), and the Indices are not needed.
-    """
+    """y[o] = x[i(o)], i(o) = argmax over window o (the Indices output):  dx.flat[i(o)] += dy[o]"""
     x = n.inputs[0]
     kernel = list(n.attr("kernel_shape"))
     rank = len(kernel)
     strides = list(n.attr("strides") or [1] * rank)
     dilations = list(n.attr("dilations") or [1] * rank)
-    if _tiles_the_image(n, x, kernel, strides, dilations):
-        if kernel[0] == 2 and x.dtype in _TAP_TYPES and n.outputs[0] is not None:
-            return (_max_pool_taps_grad(n, x, n.outputs[0]),)
-        return (_max_pool_tiles_grad(n, x, kernel[0]),)
     if n.attr("storage_order", 0) == 1:
         # the model's indices are column-major: compute row-major ones
         attrs = {k: n.attr(k) for k in ("auto_pad", "ceil_mode", "dilations", "kernel_shape", "pads", "strides")
@@ -546,64 +451,6 @@ def max_pool(n):
     # windows o and o + t along an axis are disjoint once t*s >= (k-1)*d + 1
     phases = [-(-((k - 1) * d + 1) // s) for k, d, s in zip(kernel, dilations, strides)]
     return (_scatter_add(n, n.dy, indices, x, phases),)
-
-
-_TILE_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16)   # onnxruntime's SpaceToDepth, ArgMax
-
-
-def _tiles_the_image(n, x: Var, kernel: list[int], strides: list[int], dilations: list[int]) -> bool:
-    """A 2-D MaxPool whose k x k windows (stride k, no pads) tile x's known spatial shape exactly."""
-    shape = x.shape
-    k = kernel[0]
-    return (x.dtype in _TILE_TYPES and kernel == [k, k] and strides == [k, k] and dilations == [1, 1] and k > 1
-            and not any(n.attr("pads") or []) and n.attr("auto_pad", "NOTSET") in ("NOTSET", "VALID")
-            and x.info.static and len(shape) == 4 and shape[2] % k == 0 and shape[3] % k == 0)
-
-
-_TAP_TYPES = (TensorProto.FLOAT, TensorProto.DOUBLE)   # onnxruntime's Equal has no float16 kernel
-
-
-def _max_pool_taps_grad(n, x: Var, y: Var) -> Var:
-    """2 x 2 tiles: dx = dy at the first maximum of each tile (row-major, as the Indices), zeros elsewhere.
-
-    Tap t = (i, j) of every tile is the strided slice x[..., i::2, j::2]; it is the first
-    maximum where it equals y and no earlier tap did:  hit_t = (x_t == y) and not any_{s<t} hit_s,
-    dx_t = where(hit_t, dy, 0), and the four quarter planes interleave back by two Concats.
-    In onnxruntime this is 2.3 ms against 3.3 ms for SpaceToDepth/ArgMax/DepthToSpace
-    (:func:`_max_pool_tiles_grad`) on a [32, 32, 32, 32] input, 2 threads: those two
-    reorderings, and every broadcast over a trailing or inner axis, are slow kernels there.
-    """
-    b = n.b
-    axes, steps, ends = b.ints([2, 3]), b.ints([2, 2]), b.ints(x.shape[2:])
-    zero = b.scalar(0.0, x)
-    earlier = None                                                          # some earlier tap is the max
-    taps = []
-    for i, j in ((0, 0), (0, 1), (1, 0), (1, 1)):
-        equal = n.op.Equal(n.op.Slice(x, b.ints([i, j]), ends, axes, steps), y)       # [N, C, H/2, W/2]
-        hit = equal if earlier is None else n.op.And(equal, n.op.Not(earlier))
-        if (i, j) != (1, 1):
-            earlier = equal if earlier is None else n.op.Or(earlier, equal)
-        taps.append(b.unsqueeze(n.op.Where(hit, n.dy, zero), [3, 5]))            # [N, C, H/2, 1, W/2, 1]
-    rows = [n.op.Concat(taps[0], taps[1], axis=5), n.op.Concat(taps[2], taps[3], axis=5)]
-    return b.reshape_like(n.op.Concat(*rows, axis=3), x)                       # [N, C, H/2, 2, W/2, 2]
-
-
-def _max_pool_tiles_grad(n, x: Var, k: int) -> Var:
-    """dx = dy at the first maximum of each k x k tile (row-major, as the Indices), zeros elsewhere.
-
-    SpaceToDepth puts tile position t = k*i + j on its own axis, ArgMax picks the first
-    maximum along it, and DepthToSpace puts dy back: no Indices, whose onnxruntime
-    kernel costs several times the pool itself, and no scatter.
-    """
-    b = n.b
-    batch, channels, h, w = x.shape
-    tiles = [batch, k * k, channels, h // k, w // k]
-    planes = n.op.Reshape(n.op.SpaceToDepth(x, blocksize=k), b.ints(tiles))        # [N, k*k, C, H/k, W/k]
-    first = n.op.ArgMax(planes, axis=1, keepdims=1)                                  # [N, 1, C, H/k, W/k]
-    hit = n.op.Equal(first, b.const(np.arange(k * k, dtype=np.int64).reshape(k * k, 1, 1, 1)))
-    g = n.op.Where(hit, b.unsqueeze(n.dy, [1]), b.scalar(0.0, x))                   # [N, k*k, C, H/k, W/k]
-    g = n.op.Reshape(g, b.ints([batch, k * k * channels, h // k, w // k]))
-    return n.op.DepthToSpace(g, blocksize=k, mode="DCR")
 
 
 def _scatter_add(n, dy: Var, indices: Var, x: Var, phases: list[int]) -> Var:

@@ -152,12 +152,7 @@ def layer_normalization(n):
 
     dB = sum(dy)   dscale = sum(dy * xhat)   (over the axes they are broadcast along)
     dx = inv * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * scale
-         + (dMean - dInvStdDev * inv^2 * xhat) / D       (when the statistics have gradients)
-
-    Computed with xc = x - Mean and u = dy * inv (inv is constant over the axes):
-    dy * xhat = u * xc,  g * xhat = u * xc * scale,  inv * g = u * scale, so
-    dx = u * scale - mean(u * scale) - xc * (inv^2 * mean(u * xc * scale)),
-    one full-size pass fewer than forming xhat.
+         + (dMean - dInvStdDev * inv^3 * (x - Mean)) / D       (when the statistics have gradients)
     """
     x, scale = n.inputs[0], n.inputs[1]
     bias = n.input(2)
@@ -166,23 +161,17 @@ def layer_normalization(n):
     stash_type = n.attr("stash_type", 1)
     compute, back = _stash(x, stash_type)
     dy, dmean, dinv = (n.dys + [None, None, None])[:3]
-    xs, dys, scales = _cast(n, x, compute), _cast(n, dy, compute), _cast(n, scale, compute)
+    xs, dys = _cast(n, x, compute), _cast(n, dy, compute)
     mean, inv = n.expose_output(1, "Mean"), n.expose_output(2, "InvStdDev")
     if xs.dtype is None or xs.dtype != stash_type:   # the statistics are of the stash type
         mean, inv = n.b.cast_like(mean, xs), n.b.cast_like(inv, xs)
     xc = xs - mean
-    dy_xhat = None
-    if dys is not None and n.needs(0):
-        u = dys * inv
-        dy_xhat = u * xc
-    elif dys is not None and n.needs(1):
-        dy_xhat = dys * (xc * inv)                # without dx, measured a little faster than u * xc
+    xhat = xc * inv
     dx = dscale = dB = None
     if n.needs(0):
         terms = []
         if dys is not None:
-            g_inv = u * scales
-            terms.append(g_inv - _mean(n, g_inv, axes) - xc * (inv * inv * _mean(n, dy_xhat * scales, axes)))
+            terms.append(_standardize_grad(n, dys * _cast(n, scale, compute), xhat, inv, axes))
         if dmean is not None or dinv is not None:
             stats = n.b.cast_like(dmean, xs) if dmean is not None else None
             if dinv is not None:
@@ -192,7 +181,7 @@ def layer_normalization(n):
         dx = terms[0] if len(terms) == 1 else terms[0] + terms[1]
         dx = _cast(n, dx, back)
     if dy is not None and n.needs(1):
-        dscale = n.b.unbroadcast(_cast(n, dy_xhat, back), scale, source=x)
+        dscale = n.b.unbroadcast(_cast(n, dys * xhat, back), scale, source=x)
     if dy is not None and bias is not None and n.needs(2):
         dB = n.b.unbroadcast(dy, bias, source=x)
     return (dx, dscale, dB)[:len(n.inputs)]

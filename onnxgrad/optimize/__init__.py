@@ -1,0 +1,76 @@
+"""Runtime-specific rewrites of gradient graphs, chosen per execution provider.
+
+The rules of :mod:`onnxgrad.rules` emit canonical adjoints (a Conv's input gradient is a
+ConvTranspose, its weight gradient the swapped-role Conv, MaxPool's a scatter at its Indices).
+What is fastest depends on the runtime's kernels, so the measured fast paths live here as rewrite
+rules (pattern, check with a reason, replacement: see :mod:`onnxgrad.optimize.rewriter`), grouped
+per target:
+
+- ``None``: the canonical graph;
+- ``"cpu"``: onnxruntime's CPUExecutionProvider;
+- ``"cuda"``: onnxruntime's CUDAExecutionProvider (cuDNN runs the canonical convolutions natively;
+  no rewrite has been measured to pay there yet).
+
+``bench/bench_rewrites.py`` times every rewrite against the canonical form;
+``tests/test_optimize.py`` proves each gives the canonical graph's outputs.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Sequence
+
+import onnx
+
+from ..errors import OnnxGradError
+from .conv import CONV_INPUT_GRAD_FLIPPED, CONV_WEIGHT_GRAD_PATCHES
+from .masks import WHERE_ZERO_AS_MUL
+from .pool import MAX_POOL_TAPS
+from .rewriter import Report, Rewrite, apply
+
+__all__ = ["REWRITES", "TARGETS", "optimize", "target_for"]
+
+REWRITES: dict[str, Rewrite] = {r.name: r for r in (
+    CONV_WEIGHT_GRAD_PATCHES, CONV_INPUT_GRAD_FLIPPED, MAX_POOL_TAPS, WHERE_ZERO_AS_MUL)}
+
+TARGETS: dict[str, tuple[str, ...]] = {
+    "cpu": ("conv_weight_grad_patches", "conv_input_grad_flipped", "max_pool_taps", "where_zero_as_mul"),
+    "cuda": (),
+}
+
+_PROVIDERS = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda"}
+
+
+def target_for(providers: Sequence[Any] | None) -> str | None:
+    """The target of onnxruntime execution providers: their first one's (names or (name, options));
+    None (canonical) for a provider without a rewrite table."""
+    if not providers:
+        return None
+    first = providers[0]
+    name = first[0] if isinstance(first, (tuple, list)) else first
+    return _PROVIDERS.get(name)
+
+
+def rewrites_for(target: str | None) -> list[Rewrite]:
+    if target is None:
+        return []
+    if target not in TARGETS:
+        raise OnnxGradError(f"unknown optimization target {target!r}: use one of "
+                            f"{', '.join(map(repr, TARGETS))} or None for the canonical graph")
+    return [REWRITES[name] for name in TARGETS[target]]
+
+
+def optimize(model: onnx.ModelProto, target: str | None, first: int = 0,
+             rewrites: Sequence[str] | None = None) -> tuple[onnx.ModelProto, Report]:
+    """``model`` with ``target``'s rewrites (or the named ``rewrites``) applied to its nodes from index
+    ``first`` on (the backward of a gradient model), and the report of what applied and what declined.
+    The applied rewrites are recorded in the model's metadata (``onnxgrad.rewrites``)."""
+    chosen = [REWRITES[name] for name in rewrites] if rewrites is not None else rewrites_for(target)
+    out, report = apply(model, chosen, first)
+    if report.applied:
+        counts: dict[str, int] = {}
+        for name, _ in report.applied:
+            counts[name] = counts.get(name, 0) + 1
+        from ..model import set_metadata
+
+        set_metadata(out, {"onnxgrad.target": json.dumps(target), "onnxgrad.rewrites": json.dumps(counts)})
+    return out, report

@@ -1,0 +1,150 @@
+"""Convolution backward rewrites for onnxruntime's CPU kernels.
+
+The canonical rules (:mod:`onnxgrad.rules.nn`) emit the weight gradient as the swapped-role Conv
+(batch and channels exchanged; dy as a kernel as large as the image, whose output is the few taps)
+and the input gradient as a ConvTranspose. onnxruntime's CPU Conv is an im2col + Gemm built for
+small kernels and many output channels, the opposite shape, and its ConvTranspose is a Gemm +
+col2im. ``bench/bench_rewrites.py`` measures each replacement against the canonical form.
+"""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+
+from ..builder import FLOAT_TYPES, Builder, Var
+from .rewriter import GraphView, Match, Rewrite
+
+_PATCH_MAX_ELEMENTS = 1 << 25     # the patches hold taps copies of x: above this, keep the Conv form
+_PATCH_MAX_TAPS = 9               # larger kernels (ResNet's 7x7 stem) measured faster as the Conv form
+
+
+def _is_swap(node: onnx.NodeProto | None, rank: int) -> bool:
+    return node is not None and GraphView.attr(node, "perm") == [1, 0, *range(2, 2 + rank)]
+
+
+# -- weight gradient: patches from a one-hot grouped Conv, then one Gemm --------------------------
+def _weight_grad_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    """dW = Transpose(Conv(Transpose(x), Transpose(dy), strides=d, dilations=s, pads)) [then Slice to
+    the kernel]: the canonical weight gradient (:func:`onnxgrad.rules.nn._filter_grad`, group 1)."""
+    if len(node.input) != 2 or view.attr(node, "group", 1) != 1:
+        return None
+    tx, tdy = view.made_by(node.input[0], "Transpose"), view.made_by(node.input[1], "Transpose")
+    if tx is None or tdy is None:
+        return None
+    rank = len(view.attr(tx, "perm", [])) - 2
+    back = view.only_reader(node.output[0], "Transpose")
+    if rank < 1 or not all(_is_swap(t, rank) for t in (tx, tdy, back)):
+        return None
+    final = back
+    crop = view.only_reader(back.output[0], "Slice")
+    if crop is not None:
+        starts, axes = view.value(crop.input[1]), view.value(crop.input[3]) if len(crop.input) > 3 else None
+        if (starts is not None and not starts.any() and axes is not None
+                and list(axes) == list(range(2, 2 + rank)) and len(crop.input) < 5):
+            final = crop
+    return Match(final, [final.output[0]], dict(
+        conv=node, x=tx.input[0], dy=tdy.input[0], rank=rank,
+        strides=view.attr(node, "dilations", [1] * rank), dilations=view.attr(node, "strides", [1] * rank),
+        pads=view.attr(node, "pads", [0] * (2 * rank))))
+
+
+def _weight_grad_check(view: GraphView, m: Match) -> str | None:
+    xs, ys, ws = view.shape(m.x), view.shape(m.dy), view.shape(m.outputs[0])
+    if xs is None or ys is None or ws is None:
+        return "x, dy and dW need static shapes"
+    if view.info(m.x).dtype not in FLOAT_TYPES:
+        return "x is not a float tensor of known type"
+    kernel, taps = list(ws[2:]), int(np.prod(ws[2:]))
+    if taps > _PATCH_MAX_TAPS:
+        return f"a {'x'.join(map(str, kernel))} kernel: the swapped-role Conv is faster above {_PATCH_MAX_TAPS} taps"
+    rank = m.rank
+    for i in range(rank):
+        extent = (kernel[i] - 1) * m.dilations[i] + 1
+        out = (xs[2 + i] + m.pads[i] + m.pads[rank + i] - extent) // m.strides[i] + 1
+        if out != ys[2 + i]:
+            return f"the patches' size {out} along spatial axis {i} is not dy's {ys[2 + i]}"
+    if xs[0] * xs[1] * taps * int(np.prod(ys[2:])) > _PATCH_MAX_ELEMENTS:
+        return f"the patches would exceed {_PATCH_MAX_ELEMENTS} elements"
+    return None
+
+
+def _weight_grad_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """dW[m, c, k] = sum_{b, o} dy[b, m, o] * patches[b, c*K + k, o]: the patches (im2col) from one Conv
+    of x with a constant one-hot kernel per tap, group = C; then one Gemm over (batch, position), or
+    batched MatMuls and a sum over the batch when the positions alone are many (no transposes)."""
+    x, dy = b.var(m.x), b.var(m.dy)
+    (n, c, *_), (_, out_ch, *o), (_, _, *kernel) = view.shape(m.x), view.shape(m.dy), view.shape(m.outputs[0])
+    taps, positions = int(np.prod(kernel)), int(np.prod(o))
+    onehot = np.tile(np.eye(taps).reshape(taps, 1, *kernel), (c, 1) + (1,) * len(kernel))     # [C*K, 1, *k]
+    patches = b.op.Conv(x, b.const(onehot, x.dtype), group=c, strides=m.strides, dilations=m.dilations,
+                        pads=m.pads)                                                          # [N, C*K, *O]
+    if n == 1:
+        dw = b.op.Gemm(b.op.Reshape(dy, b.ints([out_ch, positions])),
+                       b.op.Reshape(patches, b.ints([c * taps, positions])), transB=1)
+    elif positions >= 2 * out_ch:
+        per_image = b.op.MatMul(b.op.Reshape(dy, b.ints([n, out_ch, positions])),
+                                b.op.Transpose(b.op.Reshape(patches, b.ints([n, c * taps, positions])),
+                                               perm=[0, 2, 1]))                             # [N, M, C*K]
+        dw = b.sum(per_image, [0], keepdims=False)
+    else:
+        rows = b.op.Transpose(b.op.Reshape(dy, b.ints([n, out_ch, positions])), perm=[1, 0, 2])
+        cols = b.op.Transpose(b.op.Reshape(patches, b.ints([n, c * taps, positions])), perm=[1, 0, 2])
+        dw = b.op.Gemm(b.op.Reshape(rows, b.ints([out_ch, -1])), b.op.Reshape(cols, b.ints([c * taps, -1])),
+                       transB=1)                                                              # [M, C*K]
+    return [b.op.Reshape(dw, b.ints([out_ch, c, *kernel]))]
+
+
+CONV_WEIGHT_GRAD_PATCHES = Rewrite(
+    "conv_weight_grad_patches", "Conv", _weight_grad_pattern, _weight_grad_check, _weight_grad_replacement,
+    "the swapped-role Conv of a weight gradient as one-hot-Conv patches and a Gemm")
+
+
+# -- input gradient: ConvTranspose as a Conv with the flipped kernel ------------------------------
+_FLIP_MIN_CHANNELS = 16     # below, and where dx has no more channels than dy, the ConvTranspose measured faster
+
+
+def _flip_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    """dx = ConvTranspose(dy, w) at stride 1, dilation 1, group 1, pads only: the canonical input
+    gradient of a stride-1 Conv (:func:`onnxgrad.rules.nn._window_transpose`)."""
+    if len(node.input) != 2 or view.attr(node, "group", 1) != 1:
+        return None
+    if view.attr(node, "auto_pad", "NOTSET") != "NOTSET" or view.attr(node, "output_shape") is not None:
+        return None
+    strides, dilations = view.attr(node, "strides"), view.attr(node, "dilations")
+    output_padding = view.attr(node, "output_padding")
+    if any(v is not None and any(s != 1 for s in v) for v in (strides, dilations)):
+        return None
+    if output_padding is not None and any(output_padding):
+        return None
+    return Match(node, [node.output[0]], dict(dy=node.input[0], w=node.input[1]))
+
+
+def _flip_check(view: GraphView, m: Match) -> str | None:
+    ws = view.shape(m.w)
+    if ws is None:
+        return "the kernel's shape is not static"
+    if min(ws[:2]) < _FLIP_MIN_CHANNELS:
+        return f"fewer than {_FLIP_MIN_CHANNELS} channels: the ConvTranspose is faster"
+    if ws[1] <= ws[0]:
+        return "dx has no more channels than dy: the ConvTranspose's columns are the smaller ones"
+    rank = len(ws) - 2
+    pads = view.attr(m.root, "pads", [0] * (2 * rank))
+    if any(k - 1 - p < 0 for k, p in zip(list(ws[2:]) * 2, pads)):
+        return "pads larger than the kernel"
+    return None
+
+
+def _flip_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """ConvTranspose(dy, w) = Conv(dy, w^T reversed along every spatial axis), pads k - 1 - pad."""
+    ws = view.shape(m.w)
+    rank = len(ws) - 2
+    axes = list(range(2, 2 + rank))
+    pads = view.attr(m.root, "pads", [0] * (2 * rank))
+    flipped = b.op.Slice(b.op.Transpose(b.var(m.w), perm=[1, 0, *axes]), b.ints([-1] * rank),
+                         b.ints([np.iinfo(np.int64).min] * rank), b.ints(axes), b.ints([-1] * rank))
+    return [b.op.Conv(b.var(m.dy), flipped, pads=[k - 1 - p for k, p in zip(list(ws[2:]) * 2, pads)])]
+
+
+CONV_INPUT_GRAD_FLIPPED = Rewrite(
+    "conv_input_grad_flipped", "ConvTranspose", _flip_pattern, _flip_check, _flip_replacement,
+    "a stride-1 ConvTranspose as a Conv with the transposed, reversed kernel")

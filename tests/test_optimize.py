@@ -1,0 +1,239 @@
+"""The rewrites of onnxgrad.optimize: each one applies where its pattern and check say, gives the
+canonical gradient graph's outputs in onnxruntime, passes the full checker, and says why it declines.
+
+The canonical graphs are the ones the rule tables prove against central differences; here every
+rewritten graph is compared with its canonical graph on the same feeds, in onnxruntime (float32).
+"""
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import onnxgrad
+from harness import Case, case_model, distinct, make_model, randn
+from onnxgrad.errors import OnnxGradError
+from onnxgrad.optimize import REWRITES, TARGETS, optimize, target_for
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in model.graph.output]
+    return dict(zip(names, sess.run(names, feeds)))
+
+
+def _seeded(model: onnx.ModelProto, gm: onnx.ModelProto, feeds: dict) -> dict[str, np.ndarray]:
+    """The feeds plus a random seed for every seed input of the gradient model."""
+    rng = np.random.default_rng(7)
+    declared = {i.name for i in model.graph.input}
+    out = dict(feeds)
+    for i in gm.graph.input:
+        if i.name not in declared:
+            shape = [d.dim_value for d in i.type.tensor_type.shape.dim]
+            dtype = helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+            out[i.name] = rng.standard_normal(shape).astype(dtype)
+    return out
+
+
+def _equivalent(model: onnx.ModelProto, feeds: dict, rewrite: str, rtol: float = 1e-4, exact: bool = False,
+                **grad_args) -> onnx.ModelProto:
+    """The canonical gradient of ``model`` and the same with ``rewrite`` applied give the same outputs."""
+    gm = onnxgrad.grad(model, **grad_args)
+    fast, report = optimize(gm, None, first=len(model.graph.node), rewrites=[rewrite])
+    assert report.count(rewrite) >= 1, f"{rewrite} did not apply: {report.declined}"
+    onnx.checker.check_model(fast, full_check=True)
+    feeds = _seeded(model, gm, feeds)
+    want, got = _run(gm, feeds), _run(fast, feeds)
+    assert want.keys() == got.keys()
+    for name, value in want.items():
+        if exact:
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
+        else:
+            scale = max(float(np.abs(value).max()), 1e-6)
+            np.testing.assert_allclose(got[name], value, rtol=0, atol=rtol * scale, err_msg=name)
+    return fast
+
+
+def _case(case: Case, rewrite: str, **kw) -> onnx.ModelProto:
+    model, feeds, wrt = case_model(case)
+    return _equivalent(model, feeds, rewrite, wrt=wrt, of=["y0"], **kw)
+
+
+def _ops(model: onnx.ModelProto) -> list[str]:
+    return [n.op_type for n in model.graph.node]
+
+
+# -- conv_weight_grad_patches -----------------------------------------------------------------------
+PATCH_CASES = [
+    Case("Conv", [randn(2, 3, 9, 8), randn(4, 3, 3, 3)], dict(pads=[1, 1, 1, 1]), id="batched-matmul", wrt=[1]),
+    Case("Conv", [randn(1, 3, 6, 7), randn(5, 3, 3, 3), randn(5)], dict(pads=[1, 1, 1, 1]), id="one-image"),
+    Case("Conv", [randn(3, 4, 4, 4), randn(16, 4, 3, 3)], dict(pads=[1, 1, 1, 1]), id="gemm-few-positions",
+         wrt=[1]),
+    Case("Conv", [randn(2, 3, 7, 6), randn(4, 3, 3, 2)], dict(strides=[2, 1], pads=[1, 0, 1, 1]),
+         id="stride-asymmetric-pads"),
+    Case("Conv", [randn(2, 2, 9, 9), randn(3, 2, 3, 3)], dict(dilations=[2, 2], pads=[2, 1, 0, 2]),
+         id="dilation", wrt=[1]),
+    Case("Conv", [randn(2, 4, 5, 5), randn(6, 4, 1, 1)], dict(strides=[2, 2]), id="1x1-stride-2", wrt=[1]),
+    Case("Conv", [randn(2, 3, 11), randn(4, 3, 3)], dict(pads=[1, 1], strides=[2]), id="1-d", wrt=[1]),
+    Case("Conv", [randn(1, 2, 4, 5, 4), randn(3, 2, 2, 2, 2)], dict(pads=[1, 0, 1, 0, 1, 0]), id="3-d", wrt=[1]),
+    Case("Conv", [randn(2, 3, 7, 6), randn(4, 3, 2, 3)], dict(strides=[3, 2], pads=[0, 1, 0, 1]),
+         id="stride-not-dividing", wrt=[1]),
+    Case("ConvTranspose", [randn(2, 3, 4, 3), randn(3, 2, 3, 3)], dict(strides=[2, 2], pads=[1, 0, 1, 1]),
+         id="conv-transpose", wrt=[1]),
+]
+
+
+@pytest.mark.parametrize("case", PATCH_CASES, ids=str)
+def test_conv_weight_grad_patches(case):
+    fast = _case(case, "conv_weight_grad_patches")
+    backward = _ops(fast)[1:]
+    assert "Conv" in backward and ("Gemm" in backward or "MatMul" in backward)
+
+
+def test_conv_weight_grad_patches_inside_a_model():
+    """The gradient reaching the Conv comes from another rule (Tanh's): its shape is the Conv output's."""
+    x, w = randn(2, 3, 7, 6), randn(4, 3, 3, 2)
+    model = make_model([helper.make_node("Conv", ["x", "w"], ["c"], name="conv", strides=[2, 1], pads=[1, 0, 1, 1]),
+                        helper.make_node("Tanh", ["c"], ["y"], name="tanh")],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b", "c", "d"])],
+                       [numpy_helper.from_array(w, "w")])
+    _equivalent(model, {"x": x}, "conv_weight_grad_patches", wrt=["x", "w"], of=["y"])
+
+
+@pytest.mark.parametrize("case, reason", [
+    (Case("Conv", [randn(1, 3, 12, 12), randn(4, 3, 5, 5)], dict(pads=[2, 2, 2, 2]), wrt=[1]), "5x5 kernel"),
+    (Case("Conv", [randn(2, 3, 6, 6), randn(4, 3, 3, 3)], dict(pads=[1, 1, 1, 1], kernel_shape=[3, 3]), wrt=[0, 1],
+          unknown_shapes=True),
+     "static shapes"),
+], ids=["large-kernel", "unknown-shapes"])
+def test_conv_weight_grad_patches_declines_with_a_reason(case, reason):
+    model, feeds, wrt = case_model(case)
+    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    _, report = optimize(gm, "cpu", first=1)
+    assert report.count("conv_weight_grad_patches") == 0
+    assert any(reason in why for why in report.reasons("conv_weight_grad_patches")), report.declined
+
+
+# -- conv_input_grad_flipped ----------------------------------------------------------------------
+@pytest.mark.parametrize("pads", [[1, 1, 1, 1], [0, 2, 1, 0]])
+def test_conv_input_grad_flipped(pads):
+    case = Case("Conv", [randn(1, 24, 5, 6), randn(16, 24, 3, 3)], attrs=dict(pads=pads), wrt=[0])
+    fast = _case(case, "conv_input_grad_flipped")
+    assert "ConvTranspose" not in _ops(fast) and _ops(fast).count("Conv") == 2
+
+
+def test_conv_input_grad_flipped_declines_where_the_conv_transpose_is_faster():
+    case = Case("Conv", [randn(1, 16, 5, 6), randn(32, 16, 3, 3)], attrs=dict(pads=[1, 1, 1, 1]), wrt=[0])
+    model, _, wrt = case_model(case)
+    _, report = optimize(onnxgrad.grad(model, wrt=wrt, of=["y0"]), "cpu", first=1)
+    assert report.count("conv_input_grad_flipped") == 0 and "no more channels" in report.reasons(
+        "conv_input_grad_flipped")[0]
+
+
+# -- max_pool_taps ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("x", [distinct(2, 3, 4, 6), np.random.default_rng(3).integers(0, 3, (2, 3, 4, 6)).astype(
+    np.float32)], ids=["distinct", "ties"])
+def test_max_pool_taps(x):
+    """2x2 tiles, ties included: exactly the canonical scatter at the Indices (the first maximum)."""
+    case = Case("MaxPool", [x], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]))
+    fast = _case(case, "max_pool_taps", exact=True)
+    assert len(fast.graph.node[0].output) == 1          # the forward pool computes no Indices
+    assert not any(op.startswith("Scatter") for op in _ops(fast))
+
+
+@pytest.mark.parametrize("attrs, reason", [
+    (dict(kernel_shape=[2, 2], strides=[2, 2]), "static and even"),              # 5 x 5: the tiles leave a row
+    (dict(kernel_shape=[3, 3], strides=[3, 3]), "not 2x2 windows"),
+], ids=["odd", "3x3"])
+def test_max_pool_taps_declines_with_a_reason(attrs, reason):
+    model, _, wrt = case_model(Case("MaxPool", [distinct(1, 2, 5, 5)], attrs=attrs))
+    _, report = optimize(onnxgrad.grad(model, wrt=wrt, of=["y0"]), "cpu", first=1)
+    assert report.count("max_pool_taps") == 0 and reason in report.reasons("max_pool_taps")[0]
+
+
+def test_max_pool_taps_leaves_overlapping_windows_alone():
+    """Overlapping windows scatter with reduction='add': not the pattern, the canonical graph stays."""
+    model, _, wrt = case_model(Case("MaxPool", [distinct(1, 2, 6, 6)],
+                                    attrs=dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])))
+    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    fast, report = optimize(gm, "cpu", first=1, rewrites=["max_pool_taps"])
+    assert not report.applied and not report.declined and _ops(fast) == _ops(gm)
+
+
+# -- where_zero_as_mul ----------------------------------------------------------------------------
+@pytest.mark.parametrize("case", [
+    Case("Relu", [randn(3, 4)]),
+    Case("PRelu", [randn(3, 4), randn(4)], id="zero-first"),     # dslope = Where(x > 0, 0, dy * x)
+    Case("Clip", [randn(3, 4), np.array(-0.5, np.float32), np.array(0.5, np.float32)], wrt=[0]),
+], ids=str)
+def test_where_zero_as_mul(case):
+    fast = _case(case, "where_zero_as_mul", exact=True)
+    model, _, wrt = case_model(case)
+    canonical = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    assert _ops(fast).count("Where") == _ops(canonical).count("Where") - 1 and "Cast" in _ops(fast)
+
+
+# -- targets and plumbing ---------------------------------------------------------------------------
+def _small_cnn() -> tuple[onnx.ModelProto, dict]:
+    """conv-bn-relu, overlapping 3x3/2 max-pool, conv, relu, 2x2 max-pool, global pool, linear."""
+    rng = np.random.default_rng(0)
+    w = {"w1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3,
+         "s": np.ones(8, np.float32), "b": np.zeros(8, np.float32), "m": np.zeros(8, np.float32),
+         "v": np.ones(8, np.float32), "w2": rng.standard_normal((16, 8, 3, 3)).astype(np.float32) * 0.2,
+         "fc": rng.standard_normal((5, 16)).astype(np.float32) * 0.3}
+    N = helper.make_node
+    nodes = [N("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1], name="conv1"),
+             N("BatchNormalization", ["c1", "s", "b", "m", "v"], ["n1"], name="bn1"),
+             N("Relu", ["n1"], ["r1"], name="relu1"),
+             N("MaxPool", ["r1"], ["p1"], kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], name="pool1"),
+             N("Conv", ["p1", "w2"], ["c2"], pads=[1, 1, 1, 1], name="conv2"),
+             N("Relu", ["c2"], ["r2"], name="relu2"),
+             N("MaxPool", ["r2"], ["p2"], kernel_shape=[2, 2], strides=[2, 2], name="pool2"),
+             N("GlobalAveragePool", ["p2"], ["g"], name="gap"),
+             N("Flatten", ["g"], ["f"], name="flatten"),
+             N("Gemm", ["f", "fc"], ["y"], transB=1, name="fc"),
+             N("ReduceSumSquare", ["y"], ["loss"], keepdims=0, name="loss")]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 16, 16])],
+                       [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                       [numpy_helper.from_array(v, k) for k, v in w.items()])
+    return model, {"x": rng.standard_normal((2, 3, 16, 16)).astype(np.float32)}
+
+
+def test_cpu_target_matches_the_canonical_graph_on_a_network():
+    model, feeds = _small_cnn()
+    canonical = onnxgrad.grad(model, wrt=["w1", "s", "b", "w2", "fc"], loss="loss")
+    fast = onnxgrad.grad(model, wrt=["w1", "s", "b", "w2", "fc"], loss="loss", target="cpu")
+    onnx.checker.check_model(fast, full_check=True)
+    meta = {p.key: p.value for p in fast.metadata_props}
+    assert "conv_weight_grad_patches" in meta["onnxgrad.rewrites"] and "max_pool_taps" in meta["onnxgrad.rewrites"]
+    assert [n.op_type for n in fast.graph.node[:11]] == [n.op_type for n in model.graph.node]   # forward first
+    want, got = _run(canonical, feeds), _run(fast, feeds)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4 * np.abs(want[name]).max())
+
+
+def test_targets_by_provider():
+    assert target_for(["CPUExecutionProvider"]) == "cpu"
+    assert target_for([("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]) == "cuda"
+    assert target_for(["SomeOtherExecutionProvider"]) is None and target_for(None) is None
+    assert set(TARGETS["cpu"]) <= set(REWRITES) and set(TARGETS["cuda"]) <= set(REWRITES)
+    model, _ = _small_cnn()
+    with pytest.raises(OnnxGradError, match="unknown optimization target 'tpu'"):
+        onnxgrad.grad(model, wrt=["w1"], loss="loss", target="tpu")
+
+
+def test_training_session_on_cpu_trains_the_rewritten_graph_like_the_canonical(monkeypatch):
+    """TrainingSession picks the CPU rewrites by its provider; its steps match a canonical session's."""
+    import onnxgrad.optimize
+    from onnxgrad import TrainingSession, optim
+
+    model, feeds = _small_cnn()
+    fast = TrainingSession(model, loss="loss", optimizer=optim.AdamW(lr=0.01), providers=["CPUExecutionProvider"])
+    assert any("/conv_weight_grad_patches/" in n.name for n in fast.artifacts.train.graph.node)
+    monkeypatch.setattr(onnxgrad.optimize, "target_for", lambda providers: None)
+    canonical = TrainingSession(model, loss="loss", optimizer=optim.AdamW(lr=0.01),
+                                providers=["CPUExecutionProvider"])
+    assert not any("/conv_weight_grad_patches/" in n.name for n in canonical.artifacts.train.graph.node)
+    for _ in range(3):
+        np.testing.assert_allclose(fast.step(feeds), canonical.step(feeds), rtol=1e-4)
