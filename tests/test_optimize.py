@@ -225,13 +225,13 @@ def test_targets_by_provider():
 
 def test_training_session_on_cpu_trains_the_rewritten_graph_like_the_canonical(monkeypatch):
     """TrainingSession picks the CPU rewrites by its provider; its steps match a canonical session's."""
-    import onnxgrad.optimize
+    import onnxgrad.training
     from onnxgrad import TrainingSession, optim
 
     model, feeds = _small_cnn()
     fast = TrainingSession(model, loss="loss", optimizer=optim.AdamW(lr=0.01), providers=["CPUExecutionProvider"])
     assert any("/conv_weight_grad_patches/" in n.name for n in fast.artifacts.train.graph.node)
-    monkeypatch.setattr(onnxgrad.optimize, "target_for", lambda providers: None)
+    monkeypatch.setattr(onnxgrad.training, "target_for", lambda providers: None)
     canonical = TrainingSession(model, loss="loss", optimizer=optim.AdamW(lr=0.01),
                                 providers=["CPUExecutionProvider"])
     assert not any("/conv_weight_grad_patches/" in n.name for n in canonical.artifacts.train.graph.node)
