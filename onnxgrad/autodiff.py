@@ -162,7 +162,7 @@ class _Pass:
         path, unsupported, reasons = [], {}, {}
         self._outer_needed: dict[int, frozenset[str]] = {}     # If/Loop/Scan: outer reads needing gradients
         for node in self.nodes:
-            rule = G.rule_of(node)
+            rule = G.rule_of(node, self.opset)
             positions = self._positions_of(node)
             needed = {i for i in positions if node.input[i] in requires}
             inner = M.subgraph_inputs(node) & requires if M.has_subgraph(node) else set()
