@@ -222,7 +222,7 @@ def _splice(n: Node, gm: onnx.ModelProto, outputs: list[str]) -> dict[str, Var |
     """Copy the nodes of the body's gradient model that compute its gradients into ``n``'s builder under
     fresh names ``<node>/grad/<body node>/...``; returns the gradients by input name (None where the body
     passes no gradient: the input reaches the outputs only through zero-derivative ops or not at all)."""
-    from .graph import dependencies, live_nodes     # graph asks this module for body rules
+    from .graph import dependencies, live_nodes  # graph asks this module for body rules
 
     b = n.b
     meta = {p.key: json.loads(p.value) for p in gm.metadata_props if p.key in ("onnxgrad.seeds",
