@@ -42,6 +42,7 @@ def worker(model: str, steps: int, engine: str, split: bool, out: str) -> None:
 
     sys.path.insert(0, str(ROOT / "bench"))
     import bench_step
+
     from onnxgrad import TrainingSession, optim
     from onnxgrad import distributed as D
 

@@ -15,11 +15,11 @@ import os
 import sys
 import time
 
-THREADS = int(os.environ.get("BENCH_THREADS", "2"))
-
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
+
+THREADS = int(os.environ.get("BENCH_THREADS", "2"))
 
 OPSET = 17
 

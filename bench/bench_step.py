@@ -473,6 +473,7 @@ def memory_child(name: str, framework: str) -> dict:
         torch.set_num_threads(THREADS)
     else:
         import onnxruntime  # noqa: F401
+
         import onnxgrad  # noqa: F401
     gc.collect()
     base = _rss_kb("VmRSS")

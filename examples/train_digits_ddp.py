@@ -21,10 +21,10 @@ import numpy as np
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from tqdm import tqdm
+from train_digits import mlp
 
 from onnxgrad import TrainingSession, losses, optim
 from onnxgrad.distributed import DataParallelError
-from train_digits import mlp
 
 
 def main() -> None:

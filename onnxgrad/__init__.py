@@ -21,6 +21,8 @@ from .forward import jvp
 from .funcs import hessian, hvp, jacfwd, jacobian, jacrev
 from .params import parameters
 from .registry import register as register_rule
+
+# isort: split
 from . import rules  # noqa: F401,E402  (registers the built-in rules)
 
 _LAZY = {"TrainingSession": "training", "optim": None, "losses": None, "lower": "lowering"}

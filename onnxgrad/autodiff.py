@@ -176,7 +176,7 @@ class _Pass:
         self._outer_needed: dict[int, frozenset[str]] = {}     # If/Loop/Scan: outer reads needing gradients
         self._allowed: dict[int, tuple[int, ...]] = {}         # differentiable positions, by id(node)
         for node in self.nodes:
-            rule = G.rule_of(node)
+            rule = G.rule_of(node, self.opset)
             positions = self._allowed[id(node)] = self._positions_of(node)
             needed = {i for i in positions if node.input[i] in requires}
             inner = M.subgraph_inputs(node) & requires if M.has_subgraph(node) else set()

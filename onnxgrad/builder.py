@@ -11,7 +11,7 @@ its nodes after the forward node they belong to.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 import onnx

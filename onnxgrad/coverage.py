@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import onnx.defs
 
+from .function_body import has_function_body
 from .model import MIN_OPSET
 from .registry import DIFFERENTIABLE, NON_DIFFERENTIABLE, all_rules
 
@@ -38,7 +39,7 @@ _BEYOND = "N+"   # tagged NonDifferentiable, differentiated as PyTorch does (the
 class OpCoverage:
     op_type: str
     tags: str                    # e.g. "data:D shape:N"; "untagged" when the schema says nothing
-    status: str                  # rule | zero-derivative | not differentiable | missing | deprecated
+    status: str                  # rule | function body | zero-derivative | not differentiable | missing | deprecated
     opsets: list[int]            # schema versions in effect from opset 13 on
     tagged_differentiable: bool
     flags: list[str] = field(default_factory=list)
@@ -93,6 +94,8 @@ def coverage() -> list[OpCoverage]:
         flags = []
         if rule is None and s.deprecated:
             status = "deprecated"
+        elif rule is None and has_function_body(s):
+            status = "function body"        # differentiated through its ONNX function body
         elif rule is None:
             if diff or (untagged and _float_params(s, s.inputs) and _float_params(s, s.outputs)):
                 status = "missing"
@@ -188,6 +191,8 @@ def print_table(run_cases: bool = False) -> int:
     print(f"ops with a Differentiable input: {len(tagged)}, with a rule: {covered}, "
           f"zero-derivative: {sum(r.status == 'zero-derivative' for r in tagged)}, "
           f"missing: {sum(r.status == 'missing' for r in tagged)}")
+    via_body = [r.op_type for r in rows if r.status == "function body"]
+    print(f"ops without a rule covered through their ONNX function body: {len(via_body)} ({', '.join(via_body)})")
     untagged_rules = [r.op_type for r in rows if r.tags == "untagged" and r.status == "rule"]
     print(f"untagged ops with a rule: {len(untagged_rules)} ({', '.join(untagged_rules)})")
     beyond = [r for r in rows if r.beyond_tags]

@@ -168,7 +168,7 @@ class _ForwardPass:
             inner = M.subgraph_inputs(node) & set(self.tangent) if M.has_subgraph(node) else set()
             if all(d is None for d in dxs) and not inner:
                 continue
-            rule = G.rule_of(node)
+            rule = G.rule_of(node, self.opset)
             if rule is not None and rule.stop:
                 continue                        # zero (or no) derivative: no tangent flows on
             native = T.get_tangent_rule(node.op_type) if node.domain in ("", "ai.onnx") and not inner else None

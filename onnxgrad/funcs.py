@@ -16,7 +16,6 @@ model, exact; the body runs once per basis vector.
 from __future__ import annotations
 
 import json
-import os
 from typing import Sequence
 
 import numpy as np

@@ -1,5 +1,7 @@
 """Facts about a forward graph that several passes need, each computed in one place.
 
+- :func:`rule_of`: a node's gradient rule at the model's opset (hand-written, else through the op's
+  function body).
 - :func:`differentiable_positions`: which inputs of a node can carry a gradient
   (the rule's registration, else the schema's tags, else every input).
 - :func:`dependencies` / :func:`live_nodes` / :func:`live` (both): every tensor (node) some targets depend
@@ -21,6 +23,7 @@ import onnx
 
 from . import model as M
 from .builder import TensorInfo
+from .function_body import body_rule
 from .registry import Rule, get_rule, get_schema, schema_differentiable_inputs
 
 __all__ = ["rule_of", "differentiable_positions", "dependencies", "live_nodes", "live", "gradient_reach"]
@@ -28,14 +31,18 @@ __all__ = ["rule_of", "differentiable_positions", "dependencies", "live_nodes", 
 _STANDARD = ("", "ai.onnx")
 
 
-def rule_of(node: onnx.NodeProto) -> Rule | None:
-    """The gradient rule of a standard op (one with subgraphs only if its rule differentiates them:
-    If, Loop, Scan); None for the rest (no rule)."""
+def rule_of(node: onnx.NodeProto, opset: int | None = None) -> Rule | None:
+    """The gradient rule of a standard op at ``opset``: its hand-written rule for that opset, else, for an
+    op whose schema has a function body, the generic rule that differentiates the body
+    (:mod:`onnxgrad.function_body`); a node with subgraphs only if its rule differentiates them (If, Loop,
+    Scan). None for the rest (no rule). Without ``opset``: the newest hand-written rule."""
     if node.domain not in _STANDARD:
         return None
-    rule = get_rule(node.op_type)
-    if rule is not None and not rule.subgraphs and M.has_subgraph(node):
-        return None
+    rule = get_rule(node.op_type, opset)
+    if node.attribute and M.has_subgraph(node):
+        return rule if rule is not None and rule.subgraphs else None
+    if rule is None and opset is not None:
+        rule = body_rule(node.op_type, opset)
     return rule
 
 
@@ -60,7 +67,7 @@ def differentiable_positions(node: onnx.NodeProto, opset: int, strict: bool = Fa
     key = (node.domain, node.op_type, len(node.input), bool(node.attribute) and M.has_subgraph(node), strict)
     if cache is not None and key in cache:         # asked of every node, several times per pass
         return cache[key]
-    rule = rule_of(node)
+    rule = rule_of(node, opset)
     n = len(node.input)
     schema = get_schema(node.op_type, opset) if node.domain in _STANDARD else None
     if rule is not None:
@@ -131,7 +138,7 @@ def gradient_reach(nodes: Sequence[onnx.NodeProto], targets: Iterable[str], opse
         else:
             continue
         subgraph = bool(node.attribute) and M.has_subgraph(node)
-        rule = None if subgraph or node.domain not in _STANDARD else get_rule(node.op_type)
+        rule = None if subgraph else rule_of(node, opset)
         if rule is not None and rule.stop:
             if rule.zero_derivative:       # a gradient of zeros, not none (PyTorch's floor, sign)
                 reach.update(x for x in node.input if x and M.is_float(infos.get(x)))

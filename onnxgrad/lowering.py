@@ -23,12 +23,12 @@ import onnx
 import onnx.version_converter
 from onnx import TensorProto, helper
 
-from .graph import live_nodes
 from . import model as M
 from .autodiff import grad
 from .builder import Builder, NameScope, TensorInfo, Var
 from .check import gradient_spec
 from .errors import InvalidModelError, UnsupportedOpError
+from .graph import live_nodes
 
 __all__ = ["lower", "TRAINING_DOMAIN", "DEFAULT_OPSET"]
 

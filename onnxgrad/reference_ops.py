@@ -381,5 +381,5 @@ class Loop(op_loop.Loop):
         return tuple(carried) + tuple(np.stack(x) if x else np.empty((0,)) for x in stacked)
 
 
-KERNELS = [Loop, BatchNormalization, DynamicQuantizeLinear, LayerNormalization, MaxUnpool, MeanVarianceNormalization, Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState, LinearAttention,
-           *_RECURRENT]
+KERNELS = [Loop, BatchNormalization, DynamicQuantizeLinear, LayerNormalization, MaxUnpool, MeanVarianceNormalization,
+           Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState, LinearAttention, *_RECURRENT]

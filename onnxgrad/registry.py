@@ -25,11 +25,19 @@ input of the forward node: a :class:`Var` (the gradient of that input), or
   ``n.outer_grads``.
 - ``stop``: the op's derivative is zero or undefined everywhere it matters
   (Floor, Sign, ArgMax, ...): gradients stop here, silently.
+- ``since``: the first ai.onnx opset the rule serves (ONNX's own ``since_version``): an op whose
+  meaning changed registers one rule per version range, and a model at opset v gets the rule with
+  the largest ``since`` <= v (``@register("DFT", since=20)`` beside ``@register("DFT")``).
+
+:func:`override` replaces or removes an op's rules for the duration of a ``with`` block (tests of
+the checker and of the function-body fallback use it). An op with no rule whose schema has a function
+body is differentiated through that body (:mod:`onnxgrad.function_body`).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import onnx
@@ -57,6 +65,8 @@ class Rule:
     zero_derivative: bool = False
     inputs_from: int | None = None
     subgraphs: bool = False
+    since: int = 1                  # first ai.onnx opset this rule serves
+    via_body: bool = False          # the generic rule that differentiates the op's function body
 
     def differentiable_inputs(self, schema: onnx.defs.OpSchema | None, n_inputs: int,
                               strict: bool = False) -> tuple[int, ...]:
@@ -77,18 +87,30 @@ class Rule:
         return tuple(sorted(set(own) | {i for i in self.beyond_tags if i < n_inputs}))
 
 
-_RULES: dict[str, Rule] = {}
+_RULES: dict[str, list[Rule]] = {}       # op type -> its rules, by ``since`` ascending
+
+
+def _add(rule: Rule) -> None:
+    """Register ``rule``, replacing one of the same op and ``since``."""
+    rules = [r for r in _RULES.get(rule.op_type, []) if r.since != rule.since] + [rule]
+    _RULES[rule.op_type] = sorted(rules, key=lambda r: r.since)
+
+
+def _make(op: str, fn: Callable[["Node"], Gradients], broadcast: bool = False, inputs: Sequence[int] | None = None,
+          beyond_tags: Sequence[int] = (), inputs_from: int | None = None, subgraphs: bool = False,
+          since: int = 1) -> Rule:
+    return Rule(op, fn, broadcast, tuple(inputs) if inputs is not None else None, doc=(fn.__doc__ or "").strip(),
+                beyond_tags=tuple(beyond_tags), inputs_from=inputs_from, subgraphs=subgraphs, since=since)
 
 
 def register(*op_types: str, broadcast: bool = False, inputs: Sequence[int] | None = None,
-             beyond_tags: Sequence[int] = (), inputs_from: int | None = None, subgraphs: bool = False):
-    """Decorator: register ``fn`` as the gradient rule of ``op_types``."""
+             beyond_tags: Sequence[int] = (), inputs_from: int | None = None, subgraphs: bool = False,
+             since: int = 1):
+    """Decorator: register ``fn`` as the gradient rule of ``op_types`` from opset ``since`` on."""
 
     def deco(fn: Callable[["Node"], Gradients]):
         for op in op_types:
-            _RULES[op] = Rule(op, fn, broadcast, tuple(inputs) if inputs is not None else None,
-                              doc=(fn.__doc__ or "").strip(), beyond_tags=tuple(beyond_tags),
-                              inputs_from=inputs_from, subgraphs=subgraphs)
+            _add(_make(op, fn, broadcast, inputs, beyond_tags, inputs_from, subgraphs, since))
         return fn
 
     return deco
@@ -102,20 +124,54 @@ def register_stop(*op_types: str, why: str = "zero derivative", zero_derivative:
     boolean results, random draws, shapes) the op cuts the path and such a tensor has no gradient.
     """
     for op in op_types:
-        _RULES[op] = Rule(op, None, stop=True, doc=why, zero_derivative=zero_derivative)
+        _add(Rule(op, None, stop=True, doc=why, zero_derivative=zero_derivative))
 
 
-def get_rule(op_type: str) -> Rule | None:
-    return _RULES.get(op_type)
+@contextmanager
+def override(op_type: str, fn: Callable[["Node"], Gradients] | None = None, **options: Any) -> Iterator[Rule | None]:
+    """Replace ``op_type``'s gradient rules by ``fn`` (with :func:`register`'s ``options``), or remove
+    them (``fn=None``), until the ``with`` block ends; yields the rule in effect inside it.
+
+    Without a rule, an op whose schema has a function body is differentiated through that body::
+
+        with registry.override("Softplus", None):
+            onnxgrad.grad(model)           # Softplus through Log(Exp(x) + 1)
+    """
+    saved = _RULES.pop(op_type, None)
+    rule = None
+    if fn is not None:
+        rule = _make(op_type, fn, **options)
+        _RULES[op_type] = [rule]
+    try:
+        yield rule
+    finally:
+        if saved is None:
+            _RULES.pop(op_type, None)
+        else:
+            _RULES[op_type] = saved
+
+
+def get_rule(op_type: str, opset: int | None = None) -> Rule | None:
+    """The hand-written rule of ``op_type`` at ``opset`` (the newest one when no opset is given)."""
+    rules = _RULES.get(op_type)
+    if not rules:
+        return None
+    if opset is None:
+        return rules[-1]
+    for rule in reversed(rules):
+        if rule.since <= opset:
+            return rule
+    return None
 
 
 def all_rules() -> dict[str, Rule]:
-    return dict(_RULES)
+    """Every op's newest hand-written rule."""
+    return {op: rules[-1] for op, rules in _RULES.items() if rules}
 
 
 def beyond_tags_inputs(op_type: str) -> tuple[int, ...]:
     """Input positions of ``op_type`` tagged NonDifferentiable that its rule differentiates (as PyTorch does)."""
-    rule = _RULES.get(op_type)
+    rule = get_rule(op_type)
     return () if rule is None else rule.beyond_tags
 
 

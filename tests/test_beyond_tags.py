@@ -17,10 +17,10 @@ from onnx import TensorProto, helper, numpy_helper
 import harness
 import onnxgrad
 from harness import Case, make_model, randn, run_case, run_second_order
-from test_rules_attention import lin      # query, key, value (, past_state, decay, beta) of LinearAttention
 from onnxgrad.check import Runner, check
 from onnxgrad.coverage import coverage
 from onnxgrad.registry import NON_DIFFERENTIABLE, Rule, all_rules, beyond_tags_inputs, get_rule, get_schema
+from test_rules_attention import lin  # query, key, value (, past_state, decay, beta) of LinearAttention
 
 F32 = TensorProto.FLOAT
 

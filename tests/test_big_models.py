@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad import files, model as M, optim
+from onnxgrad import files, optim
 from onnxgrad.check import check
 
 F = TensorProto.FLOAT

@@ -13,11 +13,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import ddp_worker as W
 import numpy as np
 import pytest
 from onnx import numpy_helper
 
-import ddp_worker as W
 from onnxgrad import OnnxGradError, TrainingSession, optim
 from onnxgrad import distributed as D
 

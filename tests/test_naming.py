@@ -11,8 +11,8 @@ import onnx
 import pytest
 
 import onnxgrad
-from onnxgrad.autodiff import _Pass
 from onnxgrad import model as M
+from onnxgrad.autodiff import _Pass
 
 # the exported models (each has its .npz of references); not the <stem>.grad.onnx README's first command
 # writes beside one, which is a gradient model with a naming of its own (seeds '<x>_grad_seed')

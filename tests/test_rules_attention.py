@@ -20,12 +20,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from onnx.reference import ReferenceEvaluator
 
 import harness
 import onnxgrad
 import onnxgrad.check
 from harness import Case, randn, run_case
-from onnx.reference import ReferenceEvaluator
 from onnxgrad.errors import UnsupportedOpError
 from onnxgrad.reference_ops import linear_attention
 

@@ -12,9 +12,8 @@ import onnx.parser
 import pytest
 
 import onnxgrad
-from onnxgrad.check import Runner, check, gradient_spec, run_float64
-
 from harness import RNG
+from onnxgrad.check import Runner, check, gradient_spec, run_float64
 
 OPSETS = (13, onnxgrad.model.runtime_max_opset())
 

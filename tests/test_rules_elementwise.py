@@ -112,7 +112,8 @@ CASES = [
     Case("Where", [randn(3, 1) > 0, randn(1, 4), randn(4)], id="bcast"),
     Case("Where", [randn(2, 3, 4) > 0, randn(3, 1), randn(2, 1, 1)], id="dynamic", unknown_shapes=True),
     Case("Where", [np.array(True), randn(3, 4), randn(1, 4)], id="scalar-cond"),
-    # -- DequantizeLinear: the scale's gradient (x is integer; float64 runs in onnx.reference: scales are float32 or narrower)
+    # -- DequantizeLinear: the scale's gradient (x is integer; float64 runs in onnx.reference: scales are float32
+    #    or narrower)
     Case("DequantizeLinear", [np.arange(-6, 6, dtype=np.int8).reshape(3, 4), randn(low=0.5, high=2.0),
                               np.array(3, np.int8)], opset=19, id="per-tensor"),
     Case("DequantizeLinear", [np.arange(24, dtype=np.uint8).reshape(2, 3, 4), randn(3, low=0.5, high=2.0),

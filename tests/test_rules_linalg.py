@@ -4,8 +4,7 @@ import onnx
 import pytest
 
 import onnxgrad
-from harness import Case, case_model, randn, run_case
-from harness import run_second_order
+from harness import Case, case_model, randn, run_case, run_second_order
 from test_rules_reduce import run_declared
 
 MATMUL = [

@@ -2,8 +2,8 @@
 import numpy as np
 import pytest
 
-from harness import Case as _Case, randn, run_case
-from harness import run_second_order
+from harness import Case as _Case
+from harness import randn, run_case, run_second_order
 
 RNG = np.random.default_rng(7)
 

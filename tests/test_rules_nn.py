@@ -257,9 +257,10 @@ def test_rule(case):
 
 
 @pytest.fixture
-def nn_roi_align(monkeypatch):
+def nn_roi_align():
     """RoiAlign's registered rule (rules/sampling.py) uses this dense form below opset 16; test it at every opset."""
-    monkeypatch.setitem(registry._RULES, "RoiAlign", registry.Rule("RoiAlign", nn.roi_align, inputs=(0,)))
+    with registry.override("RoiAlign", nn.roi_align, inputs=(0,)):
+        yield
 
 
 @pytest.mark.parametrize("case", ROI_ALIGN_CASES, ids=str)

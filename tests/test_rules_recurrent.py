@@ -18,8 +18,8 @@ import harness
 import onnxgrad
 from harness import Case, randn, run_case
 from onnxgrad.check import Runner
-from onnxgrad.reference_ops import recurrent_reference
 from onnxgrad.errors import UnsupportedOpError
+from onnxgrad.reference_ops import recurrent_reference
 from onnxgrad.registry import NON_DIFFERENTIABLE, beyond_tags_inputs, get_rule, get_schema
 
 T, B, I, H = 3, 2, 3, 4          # seq, batch, input, hidden

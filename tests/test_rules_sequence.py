@@ -9,10 +9,9 @@ import onnx.parser
 import pytest
 
 import onnxgrad
+from harness import randn
 from onnxgrad.check import check, run_float64
 from onnxgrad.errors import NonFloatError
-
-from harness import randn
 
 # (id, model text (its graph's float inputs are differentiated), feeds)
 MODELS = [

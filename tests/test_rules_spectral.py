@@ -13,7 +13,6 @@ import harness
 import onnxgrad
 from harness import Case, randn, run_case
 from onnxgrad.check import Runner
-from onnxgrad.errors import UnsupportedOpError
 
 
 def i64(v):

@@ -15,8 +15,7 @@ from onnx import TensorProto, numpy_helper
 import onnxgrad
 from onnxgrad import TrainingSession, artifacts, losses, optim
 from onnxgrad.cli import main as cli_main
-from onnxgrad.training import (CheckpointMismatchError, CorruptCheckpointError, NonFiniteError,
-                               NonFiniteWarning)
+from onnxgrad.training import CheckpointMismatchError, CorruptCheckpointError, NonFiniteError, NonFiniteWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "models" / "training"

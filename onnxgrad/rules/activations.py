@@ -66,7 +66,8 @@ def leaky_relu(n):
 
 @register("PRelu", broadcast=True)
 def prelu(n):
-    """d prelu(x, s) = (dy if x > 0 else dy * s,  0 if x > 0 else dy * x)  (s broadcast to x, summed back by the pass)"""
+    """d prelu(x, s) = (dy if x > 0 else dy * s,  0 if x > 0 else dy * x)
+    (s broadcast to x, summed back by the pass)"""
     x, slope = n.inputs
     positive = _positive(n, x)
     zero = n.b.scalar(0.0, x)
@@ -93,7 +94,8 @@ def elu(n):
 
 @register("Selu")
 def selu(n):
-    """d selu(x) = dy * gamma if x > 0 else dy * (y + gamma * alpha)   (y + gamma * alpha = gamma * alpha * exp(x) there)"""
+    """d selu(x) = dy * gamma if x > 0 else dy * (y + gamma * alpha)
+    (y + gamma * alpha = gamma * alpha * exp(x) there)"""
     x, y = n.inputs[0], n.outputs[0]
     alpha = n.attr("alpha", 1.67326319217681884765625)
     gamma = n.attr("gamma", 1.05070102214813232421875)
@@ -170,7 +172,8 @@ def shrink(n):
 
 @register("Gelu")
 def gelu(n):
-    """approximate="none": d x * Phi(x) = dy * (Phi(x) + x * phi(x)),  Phi(x) = (1 + erf(x / sqrt 2)) / 2, phi the normal pdf
+    """approximate="none": d x * Phi(x) = dy * (Phi(x) + x * phi(x)),
+    Phi(x) = (1 + erf(x / sqrt 2)) / 2, phi the normal pdf
     approximate="tanh": y = x (1 + t) / 2, t = tanh(u), u = sqrt(2 / pi) (x + 0.044715 x^3):
         d y = dy * ((1 + t) / 2 + x / 2 * (1 - t^2) * sqrt(2 / pi) * (1 + 3 * 0.044715 x^2))
     """

@@ -16,7 +16,6 @@ from onnx import TensorProto, helper, numpy_helper
 from ..builder import Var
 from ..registry import Node, register
 
-
 # -- Gemm, where onnxruntime takes it ----------------------------------------------------
 # onnxruntime 1.32's GemmSumFusion asserts (gemm_sum_fusion.cc:54, "gemm_input_edge.src_arg_index < 2")
 # on a Gemm without C that reads output #2 or later of a node and feeds a Sum: the backward of

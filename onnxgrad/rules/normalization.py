@@ -87,15 +87,19 @@ def _cast(n: Node, v: Var | None, to: int | None) -> Var | None:
 
 
 # -- BatchNormalization -------------------------------------------------------------------
-def _batch_norm_training(n: Node) -> bool:
-    if n.opset >= 14:
-        return bool(n.attr("training_mode", 0))
-    # BatchNormalization-9: the optional mean/var/saved_* outputs exist only in training.
-    return any(o is not None for o in n.outputs[1:])
-
-
 @register("BatchNormalization")
+def batch_normalization_9(n):
+    """BatchNormalization-9 (opset 13): training exactly when the optional statistics outputs are there."""
+    return _batch_norm(n, training=any(o is not None for o in n.outputs[1:]))
+
+
+@register("BatchNormalization", since=14)
 def batch_normalization(n):
+    """BatchNormalization-14/15: the ``training_mode`` attribute. See :func:`_batch_norm`."""
+    return _batch_norm(n, training=bool(n.attr("training_mode", 0)))
+
+
+def _batch_norm(n: Node, training: bool):
     """y = scale * xhat + B, xhat = (x - mean) * inv, inv = 1 / sqrt(var + eps), per channel (axis 1).
 
     inference (mean, var are inputs):
@@ -111,17 +115,17 @@ def batch_normalization(n):
         return None
     if x.rank is None:   # the rank only at run time: the same formulas on [N, C, L] views, dx shaped back
         dx, *rest = _batch_norm_grads(n, n.op.Reshape(x, n.b.ints([0, 0, -1])),
-                                      n.op.Reshape(dy, n.b.ints([0, 0, -1])), 3)
+                                      n.op.Reshape(dy, n.b.ints([0, 0, -1])), 3, training)
         return (None if dx is None else n.b.reshape_like(dx, x), *rest)
-    return _batch_norm_grads(n, x, dy, x.rank)
+    return _batch_norm_grads(n, x, dy, x.rank, training)
 
 
-def _batch_norm_grads(n: Node, x: Var, dy: Var, rank: int) -> tuple:
+def _batch_norm_grads(n: Node, x: Var, dy: Var, rank: int, training: bool) -> tuple:
     """BatchNormalization's five gradients for x and dy of rank ``rank`` (channels on axis 1)."""
     scale, mean, var = n.inputs[1], n.inputs[3], n.inputs[4]
     eps = n.attr("epsilon", 1e-5)
     reduced = [0] + list(range(2, rank))
-    if _batch_norm_training(n):
+    if training:
         xhat, inv = _moments(n, x, reduced, eps)
         dx = dscale = None
         if n.needs(0):

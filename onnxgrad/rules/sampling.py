@@ -663,7 +663,8 @@ def roi_align(n):
     index = n.op.Add(n.op.Mul(n.op.Cast(y_idx, to=TensorProto.INT64), _tensor(n, sizes[1])),
                      n.op.Cast(x_idx, to=TensorProto.INT64))
     if n.attr("mode", "avg") == "max":
-        exist = None if not exists else n.op.And(b.unsqueeze(exists[0], [2, 4, 5, 6]), b.unsqueeze(exists[1], [1, 3, 4, 6]))
+        exist = None if not exists else n.op.And(b.unsqueeze(exists[0], [2, 4, 5, 6]),
+                                                  b.unsqueeze(exists[1], [1, 3, 4, 6]))
         return _roi_align_max(n, x, batch, index, y_w * x_w, exist, pooled, sizes), None, None
     if ratio > 0:
         weight = y_w * x_w * (1.0 / (ratio * ratio))

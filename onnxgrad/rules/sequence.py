@@ -273,7 +273,8 @@ def _loop_sizes(b: Builder, seq: Var, axis: int) -> Var:
              helper.make_node("Identity", [cond], [cond_out], name=fresh(f"{b.prefix}/sizes/Identity"))]
     body = helper.make_graph(
         nodes, fresh(f"{b.prefix}/sizes/body"),
-        [helper.make_tensor_value_info(i, TensorProto.INT64, []), helper.make_tensor_value_info(cond, TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info(i, TensorProto.INT64, []),
+         helper.make_tensor_value_info(cond, TensorProto.BOOL, [])],
         [helper.make_tensor_value_info(cond_out, TensorProto.BOOL, []),
          helper.make_tensor_value_info(size, TensorProto.INT64, [1])])
     if b.opset < 15:

@@ -37,7 +37,7 @@ def _fit(n: Node, v: Var, axis: int, rank: int, have: int, want: int) -> Var:
 
 
 def _full_dft(n: Node, v: Var, axis: int, inverse: int) -> Var:
-    """DFT of a complex tensor along ``axis`` at its own length, two-sided."""
+    """DFT of a complex tensor along ``axis`` at its own length, two-sided (emitted in the model's opset's form)."""
     if n.opset < 20:
         return n.op.DFT(v, axis=axis, inverse=inverse)
     return n.op.DFT(v, None, n.b.const(np.array(axis, np.int64)), inverse=inverse)
@@ -65,7 +65,19 @@ def _const_int(n: Node, i: int, what: str) -> int | None:
 
 
 @register("DFT", beyond_tags=(0,))
+def dft_17(n):
+    """DFT-17: the axis is an attribute (default 1). See :func:`dft`."""
+    return _dft(n, n.attr("axis", 1))
+
+
+@register("DFT", beyond_tags=(0,), since=20)
 def dft(n):
+    """DFT-20: the axis is an optional constant input (default -2)."""
+    given = _const_int(n, 2, "axis")
+    return _dft(n, -2 if given is None else given)
+
+
+def _dft(n: Node, axis: int):
     """Y = A X_N along the axis: X cut or zero-padded to N = dft_length, A = F (or F^H / N, inverse);
     onesided keeps N // 2 + 1 outputs.
 
@@ -77,11 +89,6 @@ def dft(n):
         n.unsupported("DFT needs its input's rank and last axis (real 1 or complex 2) known")
     rank = len(x.shape)
     inverse, onesided = n.attr("inverse", 0), bool(n.attr("onesided", 0))
-    if n.opset < 20:
-        axis = n.attr("axis", 1)
-    else:
-        given = _const_int(n, 2, "axis")
-        axis = -2 if given is None else given
     axis = axis + rank if axis < 0 else axis
     have = x.shape[axis]
     length = _const_int(n, 1, "dft_length")

@@ -23,8 +23,9 @@ same fact the reverse pass uses.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import onnx
 
@@ -124,6 +125,21 @@ def linear_tangent(t: TNode) -> list[Var | None]:
     made = t.same_op(*args, outputs=len(outs))
     made = [made] if len(outs) == 1 else list(made)
     return [m if o else None for m, o in zip(made, outs)]
+
+
+@contextmanager
+def override(op_type: str, fn: Callable[[TNode], Tangents] | None = None) -> Iterator[None]:
+    """Replace ``op_type``'s tangent rule by ``fn``, or remove it (``None``: the transpose-of-VJP fallback
+    then gives the tangent), until the ``with`` block ends."""
+    saved = _TANGENT_RULES.pop(op_type, None)
+    if fn is not None:
+        _TANGENT_RULES[op_type] = TangentRule(op_type, fn, doc=(fn.__doc__ or "").strip())
+    try:
+        yield
+    finally:
+        _TANGENT_RULES.pop(op_type, None)
+        if saved is not None:
+            _TANGENT_RULES[op_type] = saved
 
 
 def get_tangent_rule(op_type: str) -> TangentRule | None:
