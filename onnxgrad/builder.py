@@ -10,7 +10,7 @@ its nodes after the forward node they belong to.
 """
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -121,11 +121,7 @@ class _Ops:
         self._b = builder
 
     def __getattr__(self, op_type: str):
-        def make(*inputs, outputs: int = 1, **attrs):
-            return self._b.emit(op_type, list(inputs), outputs=outputs, **attrs)
-
-        make.__name__ = op_type
-        return make
+        return partial(self._b.emit_op, op_type)
 
 
 class Builder:
@@ -188,11 +184,13 @@ class Builder:
 
     # -- emitting -----------------------------------------------------------------
     def emit(self, op_type: str, inputs: Sequence[Any], outputs: int = 1, **attrs) -> Any:
-        args = [x if x is None or type(x) is Var else self.lift(x) for x in inputs]
-        names = ["" if x is None else x.name for x in args]
-        node_name = self.names.fresh(f"{self.prefix}/{op_type}")
-        outs = [self.names.fresh(f"{node_name}_out{i}" if outputs > 1 else f"{node_name}_out")
-                for i in range(outputs)]
+        names = [x.name if type(x) is Var else "" if x is None else self.lift(x).name for x in inputs]
+        fresh = self.names.fresh
+        node_name = fresh(f"{self.prefix}/{op_type}")
+        if outputs == 1:
+            outs = [fresh(f"{node_name}_out")]
+        else:
+            outs = [fresh(f"{node_name}_out{i}") for i in range(outputs)]
         node = onnx.NodeProto(op_type=op_type, input=names, output=outs, name=node_name, doc_string=self.doc)
         if attrs:
             attrs = {k: v for k, v in attrs.items() if v is not None}
@@ -200,15 +198,20 @@ class Builder:
         if self.metadata:
             node.metadata_props.extend(self.metadata)
         self.nodes.append(node)
-        self.made.update(outs)
         dtype = self._out_dtype(op_type, names, attrs)
         if outputs == 1:
-            shape = self._out_shape(op_type, names, attrs) if op_type in _SHAPED else None
-            self.infos[outs[0]] = TensorInfo(dtype, shape)
-            return Var(self, outs[0])
+            out = outs[0]
+            self.made.add(out)
+            self.infos[out] = TensorInfo(dtype, self._out_shape(op_type, names, attrs) if op_type in _SHAPED else None)
+            return Var(self, out)
+        self.made.update(outs)
         for o in outs:
             self.infos[o] = TensorInfo(dtype, None)
         return tuple(Var(self, o) for o in outs)
+
+    def emit_op(self, op_type: str, *inputs: Any, outputs: int = 1, **attrs) -> Any:
+        """:meth:`emit` with the inputs as arguments (what ``b.op.<OpType>(...)`` calls)."""
+        return self.emit(op_type, inputs, outputs, **attrs)
 
     def _out_shape(self, op_type: str, names: Sequence[str], attrs: dict) -> tuple[int, ...] | None:
         """The output's static shape when every input's is static and the op is one :func:`shape_of_op`

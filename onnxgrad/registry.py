@@ -229,11 +229,18 @@ class Node:
         self.outputs = [b.var(y) if y else None for y in proto.output]
         self.dys = [_rebind(d, b) if d is not None else None for d in dys]  # bound to this node's builder
         self._needed = needed
-        self._attrs = {a.name: helper.get_attribute_value(a) for a in proto.attribute}
+        self._attrs: dict[str, Any] | None = None        # decoded on first use: most rules read none
 
     @property
     def name(self) -> str:
         return self.proto.name
+
+    @property
+    def attributes(self) -> dict[str, Any]:
+        """The node's attributes, decoded."""
+        if self._attrs is None:
+            self._attrs = {a.name: helper.get_attribute_value(a) for a in self.proto.attribute}
+        return self._attrs
 
     @property
     def dy(self) -> Var | None:
@@ -243,13 +250,13 @@ class Node:
         return i in self._needed
 
     def attr(self, name: str, default: Any = None) -> Any:
-        v = self._attrs.get(name, default)
+        v = self.attributes.get(name, default)
         if isinstance(v, bytes):
             return v.decode()
         return v
 
     def has_attr(self, name: str) -> bool:
-        return name in self._attrs
+        return name in self.attributes
 
     def input(self, i: int) -> Var | None:
         """Input i, or None when it is absent or empty."""
