@@ -500,7 +500,7 @@ def _folded(node: onnx.NodeProto, values: dict[str, np.ndarray], opset: int) -> 
         from onnx.reference import ReferenceEvaluator
 
         outs = [o or f"unused_{k}" for k, o in enumerate(node.output)]
-        one = helper.make_node(node.op_type, list(node.input), outs, domain=node.domain)
+        one = helper.make_node(node.op_type, list(node.input), outs)
         one.attribute.extend(node.attribute)
         m = helper.make_model(helper.make_graph(
             [one], "fold", [], [helper.make_empty_tensor_value_info(o) for o in outs],
@@ -587,8 +587,10 @@ def _specialized_shapes(model: onnx.ModelProto, inferred: onnx.ModelProto) -> di
     return out
 
 
-def _known(shape: onnx.TensorShapeProto) -> int:
-    return sum(d.HasField("dim_value") or bool(d.dim_param) for d in shape.dim)
+def _known(shape: onnx.TensorShapeProto) -> tuple[int, int]:
+    """How much a shape tells: its dims of known value, then its dims known at all (a value or a symbol)."""
+    return (sum(d.HasField("dim_value") for d in shape.dim),
+            sum(d.HasField("dim_value") or bool(d.dim_param) for d in shape.dim))
 
 
 class ContainerInfo(TensorInfo):

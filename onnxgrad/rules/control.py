@@ -8,7 +8,9 @@ their gradients leave the backward node as extra outputs (``n.outer_grads``).
 
 - **If**: ``If(cond)`` again; each branch holds its branch's VJP (the branch's forward recomputed
   inside it) and returns the gradients of every outer tensor either branch reads that needs one,
-  zeros where this branch does not read it.
+  zeros where this branch does not read it. An If whose condition is known at build time (integer and
+  boolean values folded from constants: ``M.constant_values``) is differentiated as the branch it takes,
+  inlined, with no If: the other branch never runs, and may not even be valid at the model's shapes.
 - **Scan** / **Loop**: the forward node also emits, as extra scan outputs, the body inputs its VJP
   reads at each iteration (the loop-carried state, the iteration number); nothing else is stored,
   the rest of one step is recomputed from them in the backward step. The backward node runs the
