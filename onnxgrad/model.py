@@ -261,15 +261,19 @@ def infer(model: onnx.ModelProto) -> onnx.ModelProto:
 
     onnx's inference stops at a Reshape to a shape computed at run time (its rank unknown); the
     ranks (and dims) the graph's declared outputs and shape-preserving ops imply are then recovered
-    backwards (:func:`_recover_ranks`) and inference is run again from them.
+    backwards (:func:`_recover_ranks`) and inference is run again from them. An If whose condition is
+    known at build time, with branches of different ranks, leaves its outputs unranked: the shapes
+    the taken branch gives are found on a copy of the model (:func:`_specialized_shapes`).
     """
     model = skeleton(model)
     try:
         inferred = shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=True)
     except Exception:
         return model
-    for _ in range(4):
+    for k in range(4):
         recovered = {**_carried_shapes(inferred), **_recover_ranks(inferred)}
+        if k == 0:
+            recovered.update(_specialized_shapes(model, inferred))
         if not recovered:
             break
         g = inferred.graph
@@ -405,6 +409,190 @@ def _recover_ranks(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     return found
 
 
+# -- Ifs whose condition is known at build time ---------------------------------------------
+_FOLD_LIMIT = 4096      # elements: the integer and boolean values folded (shapes, sizes, conditions)
+_RANDOM = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Bernoulli",
+                     "Multinomial", "Dropout"})
+
+
+def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = ()) -> tuple[onnx.ModelProto | None,
+                                                                                dict[str, np.ndarray]]:
+    """For a model with an If: a copy in which integer and boolean computations on constants are folded
+    into initializers and each If whose condition they decide is replaced by its taken branch (repeatedly:
+    a branch may decide the next If), and the values folded for the model's own tensors. The copy
+    computes what the model computes, for every value of its graph inputs: only the tensors ``exclude``
+    names, graph inputs and float tensors are not taken as constants. The copy is None where no If is
+    decided; (None, {}) for a model without an If."""
+    g = model.graph
+    if not any(n.op_type == "If" and n.domain in ("", "ai.onnx") for n in g.node):
+        return None, {}
+    exclude = set(exclude) | {i.name for i in g.input}
+    values: dict[str, np.ndarray] = {}
+    copy = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import,
+                           functions=model.functions)
+    cg = copy.graph
+    cg.name = g.name
+    cg.input.extend(g.input)
+    cg.output.extend(g.output)
+    cg.sparse_initializer.extend(g.sparse_initializer)
+    inputs = {i.name for i in g.input}
+    for init in g.initializer:          # large ones as inputs of their type: inference needs no value
+        small = init.data_location != onnx.TensorProto.EXTERNAL and int(np.prod(init.dims)) <= _FOLD_LIMIT
+        if small:
+            cg.initializer.append(init)
+            if init.name not in exclude and _integral(init.data_type):
+                values[init.name] = numpy_helper.to_array(init)
+        elif init.name not in inputs:
+            cg.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+    taken = {i.name for i in cg.input} | _defined_names(g)
+    opset = opset_of(model)
+    pending = list(reversed(g.node))    # a stack: the next node last
+    kept, decided = [], 0
+    while pending:
+        node = pending.pop()
+        cond = values.get(node.input[0]) if node.op_type == "If" and node.input else None
+        if cond is not None and cond.size == 1 and node.domain in ("", "ai.onnx"):
+            branch = next(a.g for a in node.attribute if a.name == ("then_branch" if cond.item() else "else_branch"))
+            pending.extend(reversed(_inlined(branch, node.output, taken)))
+            decided += 1
+            continue
+        folded = _folded(node, values, opset)
+        if folded is None:
+            kept.append(node)
+            continue
+        values.update(folded)
+        cg.initializer.extend(numpy_helper.from_array(v, k) for k, v in folded.items())
+    cg.node.extend(kept)
+    own = {o for n in g.node for o in n.output if o}
+    return copy if decided else None, {k: v for k, v in values.items() if k in own and k not in exclude}
+
+
+def _defined_names(g: onnx.GraphProto) -> set[str]:
+    """Every name a graph and the subgraphs in it define."""
+    out = {i.name for i in g.input} | {i.name for i in g.initializer}
+    for node in g.node:
+        out.update(o for o in node.output if o)
+        for sg in _subgraphs(node):
+            out |= _defined_names(sg)
+    return out
+
+
+def _integral(dtype: int) -> bool:
+    return dtype in (onnx.TensorProto.BOOL, onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32,
+                     onnx.TensorProto.INT64, onnx.TensorProto.UINT8, onnx.TensorProto.UINT16,
+                     onnx.TensorProto.UINT32, onnx.TensorProto.UINT64)
+
+
+def _folded(node: onnx.NodeProto, values: dict[str, np.ndarray], opset: int) -> dict[str, np.ndarray] | None:
+    """The node's outputs when its inputs are known integer or boolean values and so are its outputs
+    (small ones: shapes, sizes, conditions); None otherwise."""
+    if node.domain not in ("", "ai.onnx") or node.op_type in _RANDOM or has_subgraph(node):
+        return None
+    if node.op_type == "Constant":
+        if len(node.attribute) != 1 or node.attribute[0].name not in ("value", "value_int", "value_ints"):
+            return None
+        v = helper.get_attribute_value(node.attribute[0])
+        results = [numpy_helper.to_array(v) if node.attribute[0].name == "value" else np.array(v, np.int64)]
+    else:
+        inputs = [x for x in node.input if x]
+        if not inputs or any(x not in values for x in inputs):
+            return None
+        from onnx.reference import ReferenceEvaluator
+
+        outs = [o or f"unused_{k}" for k, o in enumerate(node.output)]
+        one = helper.make_node(node.op_type, list(node.input), outs)
+        one.attribute.extend(node.attribute)
+        m = helper.make_model(helper.make_graph(
+            [one], "fold", [], [helper.make_empty_tensor_value_info(o) for o in outs],
+            [numpy_helper.from_array(values[x], x) for x in dict.fromkeys(inputs)]),
+            opset_imports=[helper.make_opsetid("", opset)])
+        try:
+            results = ReferenceEvaluator(m).run(None, {})
+        except Exception:       # an op the reference cannot run here: not folded, nothing lost
+            return None
+    results = [np.asarray(r) for r in results]
+    if any(r.dtype.kind not in "biu" or r.size > _FOLD_LIMIT for r in results):
+        return None
+    return {o: r for o, r in zip(node.output, results) if o}
+
+
+def _inlined(branch: onnx.GraphProto, outputs: Iterable[str], taken: set[str]) -> list[onnx.NodeProto]:
+    """The nodes of an If's branch that compute its outputs ``outputs`` in the enclosing graph: the names it
+    defines made distinct from ``taken`` (which gains them), its initializers as Constants, its outputs
+    copied by Identity."""
+    env: dict[str, str] = {}
+
+    def fresh(name: str) -> str:
+        new, k = name, 0
+        while new in taken:
+            k += 1
+            new = f"{name}_{k}"
+        taken.add(new)
+        env[name] = new
+        return new
+
+    nodes = [helper.make_node("Constant", [], [fresh(t.name)], value=t) for t in branch.initializer]
+    for node in branch.node:
+        new = onnx.NodeProto()
+        new.CopyFrom(node)
+        new.input[:] = [env.get(x, x) for x in node.input]
+        for sg in _subgraphs(new):
+            _rename_reads(sg, env)
+        new.output[:] = [fresh(o) if o else "" for o in node.output]
+        nodes.append(new)
+    for out, vi in zip(outputs, branch.output):
+        if out:
+            nodes.append(helper.make_node("Identity", [env.get(vi.name, vi.name)], [out]))
+    return nodes
+
+
+def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    return [sg for a in node.attribute for sg in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
+
+
+def _rename_reads(g: onnx.GraphProto, env: dict[str, str]) -> None:
+    """Rename, in place, the outer-scope names a subgraph (and those inside it) reads."""
+    for node in g.node:
+        node.input[:] = [env.get(x, x) for x in node.input]
+        for sg in _subgraphs(node):
+            _rename_reads(sg, env)
+    for vi in g.output:
+        vi.name = env.get(vi.name, vi.name)
+
+
+def _specialized_shapes(model: onnx.ModelProto, inferred: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
+    """Types with a shape (or more known dims) for the tensors of ``model`` that onnx's inference of it
+    left without, found by inferring :func:`_specialized`'s copy, where each If decided at build time is
+    its taken branch; the model itself is not changed."""
+    copy, _ = _specialized(model)
+    if copy is None:
+        return {}
+    try:
+        found = shape_inference.infer_shapes(copy, check_type=False, strict_mode=False, data_prop=True)
+    except Exception:
+        return {}
+    fg = found.graph
+    types = {vi.name: vi.type for vi in list(fg.value_info) + list(fg.output)}
+    for init in fg.initializer:
+        types[init.name] = helper.make_tensor_type_proto(init.data_type, list(init.dims))
+    g = inferred.graph
+    have = {vi.name: vi.type for vi in list(g.value_info) + list(g.output)}
+    out = {}
+    for node in model.graph.node:
+        for name in node.output:
+            new, old = _shape_of(types.get(name)), _shape_of(have.get(name))
+            if new is None or (old is not None and (len(old.dim) != len(new.dim) or _known(old) >= _known(new))):
+                continue
+            out[name] = types[name]
+    return out
+
+
+def _known(shape: onnx.TensorShapeProto) -> tuple[int, int]:
+    """How much a shape tells: its dims of known value, then its dims known at all (a value or a symbol)."""
+    return (sum(d.HasField("dim_value") for d in shape.dim),
+            sum(d.HasField("dim_value") or bool(d.dim_param) for d in shape.dim))
+
+
 class ContainerInfo(TensorInfo):
     """A sequence or optional value: ``dtype`` is its tensors' element type, ``shape`` stays None (it is not
     a tensor), ``elem_shape`` the shape its tensors share where the type says it (dims None where not)."""
@@ -463,10 +651,12 @@ def tensor_infos(model: onnx.ModelProto) -> tuple[dict[str, TensorInfo], dict[st
 
 
 def constant_values(model: onnx.ModelProto, exclude: Iterable[str] = ()) -> dict[str, np.ndarray]:
-    """Values known at build time: initializers that are not graph inputs, and Constant nodes."""
+    """Values known at build time: initializers that are not graph inputs, and Constant nodes; in a model
+    with an If, also the integer and boolean tensors computed from them (:func:`_specialized`), so that
+    an If whose condition they decide is seen as its taken branch."""
     g = model.graph
     exclude = set(exclude) | {i.name for i in g.input}
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, np.ndarray] = _specialized(model, exclude)[1]
     for init in g.initializer:
         if init.name not in exclude and init.data_location != onnx.TensorProto.EXTERNAL:
             if int(np.prod(init.dims)) <= 4096:

@@ -121,6 +121,34 @@ m (float[3] h0, float[3] w, float[3] v) => (float[3] h) {
                          else_branch = b () => (float[3] r) { r = Mul (g, v) }>
     }>
 }""")
+# An If whose condition is known at build time (AffineGrid's function body: If(Size(size) == 4)), here
+# decided through a first If: its branches return tensors of different ranks, so onnx's inference leaves
+# t (and the MatMul after it) unranked, and the then-branch's Squeeze without axes needs the dims the
+# folded shape gives. The If is differentiated as the branch it takes; the other is never run.
+IF_CONSTANT = """
+m (float[2,3] x, float[3,4] w, float[3] v) => (float[{y}] y) {{
+    size = Constant <value = int64[{n}] {{{size}}}> ()
+    n = Size (size)
+    two = Constant <value = int64 {{2}}> ()
+    is2d = Equal (n, two)
+    one_1d = Constant <value = int64[1] {{1}}> ()
+    shape = Concat <axis = 0> (one_1d, size)
+    k = If (is2d) <then_branch = h1 () => (k1) {{ k1 = Constant <value = int64 {{1}}> () }},
+                   else_branch = h2 () => (k2) {{ k2 = Constant <value = int64 {{2}}> () }}>
+    one = Constant <value = int64 {{1}}> ()
+    first = Equal (k, one)
+    t = If (first) <
+      then_branch = g1 () => (a) {{ e = Expand (x, shape)  s = Sin (e)  a = Squeeze (s) }},
+      else_branch = g2 () => (b) {{ zero = Constant <value = int64[1] {{0}}> ()  p = Mul (x, v)  b = Unsqueeze (p, zero) }}>
+    y = MatMul (t, w)
+}}"""
+IF_CONSTANT_2D = IF_CONSTANT.format(y="A,B", n=2, size="2, 3")        # then: t is [2,3]
+IF_CONSTANT_3D = IF_CONSTANT.format(y="A,B,C", n=3, size="1, 2, 3")   # else: t is [1,2,3]
+
+
+def _constant_if_feeds():
+    return {"x": _f(2, 3), "w": _f(3, 4), "v": _f(3)}
+
 
 CASES = {
     "if_then": (IF_OUTER, lambda: {"c": np.array(True), "x": _f(3), "w": _f(3)}),
@@ -141,6 +169,8 @@ CASES = {
                                              "w": np.array([0.5, 0.6, 0.7], np.float32),
                                              "limit": np.array(7.0, np.float32)}),
     "loop_nested_if": (LOOP_NESTED_IF, lambda: {"h0": _f(3), "w": _f(3), "v": _f(3)}),
+    "if_constant_then": (IF_CONSTANT_2D, _constant_if_feeds),
+    "if_constant_else": (IF_CONSTANT_3D, _constant_if_feeds),
 }
 
 
@@ -210,3 +240,52 @@ def test_ops_lists_control_flow():
 
     status = {row.op_type: row.status for row in coverage()}
     assert status["If"] == status["Loop"] == status["Scan"] == "rule"
+
+
+def _same_nodes(a, b) -> bool:
+    """The same nodes, in order (their subgraphs' nodes too), but for the names the pass gives unnamed nodes."""
+    if len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if (x.op_type, list(x.input), list(x.output)) != (y.op_type, list(y.input), list(y.output)):
+            return False
+        for ax, ay in zip(x.attribute, y.attribute):
+            if ax.type == onnx.AttributeProto.GRAPH:
+                if not _same_nodes(ax.g.node, ay.g.node):
+                    return False
+            elif ax != ay:
+                return False
+    return True
+
+
+@pytest.mark.parametrize("text, rank, zero", [(IF_CONSTANT_2D, 2, "v"), (IF_CONSTANT_3D, 3, None)],
+                         ids=["then", "else"])
+def test_constant_if_is_its_taken_branch(text, rank, zero):
+    """An If decided at build time: the forward is kept as given, the backward is the taken branch's VJP (no
+    If), the If's outputs get the taken branch's rank, and a tensor only the other branch reads gets zeros."""
+    model = _model(text, OPSETS[-1])
+    infos = onnxgrad.model.tensor_infos(onnxgrad.model.infer(model))[0]
+    assert len(infos["t"].shape) == rank and len(infos["y"].shape) == rank
+    gm = onnxgrad.grad(model, wrt=["x", "w", "v"], of=["y"])
+    forward = len(model.graph.node)
+    assert _same_nodes(gm.graph.node[:forward], model.graph.node)
+    assert not [n for n in gm.graph.node[forward:] if n.op_type == "If"]
+    if zero is not None:
+        feeds = _constant_if_feeds()
+        seeds = {gradient_spec(gm)["seeds"]["y"]: np.ones((2, 4), np.float32)}
+        got = Runner(gm)({**feeds, **seeds})[gradient_spec(gm)["gradients"][zero]]
+        assert got.shape == feeds[zero].shape and not got.any()
+
+
+def test_constant_if_condition_values():
+    """The condition is folded from constants (through the first If's taken branch); a graph input, even one
+    with an initializer (a default the caller may override), is never taken as a constant."""
+    model = _model(IF_CONSTANT_2D, 13)
+    values = onnxgrad.model.constant_values(model)
+    assert values["k"] == 1 and values["first"] and list(values["shape"]) == [1, 2, 3]
+    size = next(n for n in model.graph.node if n.output[0] == "size")
+    model.graph.node.remove(size)
+    model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([2, 3], np.int64), "size"))
+    model.graph.input.append(onnx.helper.make_tensor_value_info("size", onnx.TensorProto.INT64, [2]))
+    values = onnxgrad.model.constant_values(model)
+    assert not {"n", "is2d", "k", "first", "shape"} & set(values)

@@ -8,7 +8,9 @@ their gradients leave the backward node as extra outputs (``n.outer_grads``).
 
 - **If**: ``If(cond)`` again; each branch holds its branch's VJP (the branch's forward recomputed
   inside it) and returns the gradients of every outer tensor either branch reads that needs one,
-  zeros where this branch does not read it.
+  zeros where this branch does not read it. An If whose condition is known at build time (integer and
+  boolean values folded from constants: ``M.constant_values``) is differentiated as the branch it takes,
+  inlined, with no If: the other branch never runs, and may not even be valid at the model's shapes.
 - **Scan** / **Loop**: the forward node also emits, as extra scan outputs, the body inputs its VJP
   reads at each iteration (the loop-carried state, the iteration number); nothing else is stored,
   the rest of one step is recomputed from them in the backward step. The backward node runs the
@@ -299,12 +301,16 @@ def _store(n: Node, body: onnx.GraphProto, attr: str, names: list[str], infos: l
 @register("If", inputs=(), subgraphs=True)
 def if_(n: Node):
     """d(If(c, then, else)) = If(c, VJP(then), VJP(else)): each branch returns the gradients of the outer
-    tensors either branch reads (zeros for the ones it does not read)."""
+    tensors either branch reads (zeros for the ones it does not read). A condition known at build time
+    picks the branch: d(If(c, then, else)) = VJP(then) if c else VJP(else), no If (:func:`_taken_branch`)."""
     b = n.b
     wanted = sorted(n.outer_needed)
     seeded = [k for k, d in enumerate(n.dys) if d is not None and _is_float(n.outputs[k].info)]
     if not wanted or not seeded:
         return None
+    cond = n.const_value(0)
+    if cond is not None and np.size(cond) == 1:
+        return _taken_branch(n, "then_branch" if np.asarray(cond).item() else "else_branch", wanted, seeded)
     branches = {}
     for attr in ("then_branch", "else_branch"):
         body = n.attr(attr)
@@ -321,6 +327,25 @@ def if_(n: Node):
                                            [_value_info(v.name, b.infos.get(x)) for v, x in zip(outs, wanted)])
     results = _emit(b, "If", [n.inputs[0]], len(wanted), [b.infos.get(x) for x in wanted], **branches)
     n.outer_grads.update(zip(wanted, results))
+    return None
+
+
+def _taken_branch(n: Node, attr: str, wanted: list[str], seeded: list[int]) -> None:
+    """The gradient of an If whose condition is known at build time: the VJP of the branch it always takes,
+    inlined in the backward graph (that branch's forward recomputed there). The other branch is never run,
+    so it is not differentiated: it may not even be valid at the model's shapes (AffineGrid's function body
+    holds a 2-D branch and a 3-D one), and the tensors only it reads get no gradient from this node."""
+    b = n.b
+    body = n.attr(attr)
+    mine = [x for x in wanted if x in M.subgraph_inputs(_holder(body))]
+    if not mine:
+        return None
+    vjp = _body_vjp(n, body, [], mine, seeded)
+    grads = vjp.inline(b, {vjp.seeds[body.output[k].name]: n.dys[k].name for k in seeded})
+    for x in mine:
+        if grads[x] not in b.infos and x in b.infos:        # the gradient of x has x's type and shape
+            b.infos[grads[x]] = b.infos[x]
+        n.outer_grads[x] = b.var(grads[x])
     return None
 
 
