@@ -527,8 +527,10 @@ class _Builder:
             state = {s: e.add_input(f"{p}.{s}", self.dtypes[p], self.shapes[p],
                                     f"optimizer state '{s}' of '{p}'", init_state[s])
                      for s in optimizer.active_state()}
+            guarded = self.guard and optimizer.guards_itself()     # one Where on the gradient, not per output
+            ctx.finite = finite if guarded else None
             new_p, new_state = optimizer.update(ctx, pb.var(p), grads[p], state)
-            if self.guard:
+            if self.guard and not guarded:
                 new_p = pb.op.Where(finite, new_p, pb.var(p))
                 new_state = {s: pb.op.Where(finite, v, state[s]) for s, v in new_state.items()}
             e.output(new_p, f"{p}.next", self.dtypes[p], self.shapes[p], f"'{p}' after the update")

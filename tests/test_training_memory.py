@@ -159,3 +159,38 @@ def test_in_place_needs_a_guarded_elementwise_last_reader():
     shuffled = _graph([n("Where", ["finite", "g", "p"], ["u"]), n("Transpose", ["u"], ["p.next"], perm=[0])],
                       ["p", "g", "finite"], ["p.next"])
     assert artifacts.in_place(shuffled, {"p": "p.next"}, "finite") == set()
+
+
+# -- guarded updates: Adam/AdamW guard themselves with one Where on the gradient --------------------------------
+GUARDED = [optim.AdamW(lr=1e-2, weight_decay=0.1), optim.Adam(lr=1e-2, weight_decay=0.1),
+           optim.Adam(lr=1e-2, betas=(0.3, 0.99)), optim.Adam(lr=1e-2, eps=0.0), optim.SGD(lr=0.1, momentum=0.9)]
+
+
+@pytest.mark.parametrize("optimizer", GUARDED, ids=[repr(o) for o in GUARDED])
+def test_a_non_finite_step_leaves_every_in_place_tensor_unchanged(optimizer):
+    s = TrainingSession(mlp_model(), loss=ce(), optimizer=optimizer, on_nonfinite="skip")
+    for step in range(2):
+        s.step(batch(step))
+    params, state = s.parameters(), s.optimizer_state()
+    with pytest.warns(UserWarning, match="skipped"):
+        s.step(poisoned())
+    for name, value in s.parameters().items():
+        np.testing.assert_array_equal(value, params[name], err_msg=name)
+    for p, st in s.optimizer_state().items():
+        for k, v in st.items():
+            np.testing.assert_array_equal(v, state[p][k], err_msg=f"{p}.{k}")
+    s.step(batch(2))
+    assert s.step_count == 3 and all(np.isfinite(v).all() for v in s.parameters().values())
+
+
+@pytest.mark.parametrize("optimizer, ops", [
+    (optim.AdamW(), "Where Mul Sub Mul Add Mul Mul Mul Add Sqrt Add Mul Div Sub"),
+    (optim.Adam(eps=0.0), "Sub Mul Add Mul Mul Mul Add Sqrt Mul Div Sub Where Where Where"),
+    (optim.SGD(lr=0.1, momentum=0.9), "Mul Add Mul Sub Where Where"),
+], ids=["adamw", "adam-eps0", "sgd"])
+def test_guarded_update_ops_per_parameter(optimizer, ops):
+    art = artifacts.build(mlp_model(), ce(), optimizer, guard=True)
+    for p in art.spec.params:
+        got = [n.op_type for n in art.train.graph.node
+               if n.name.startswith(f"train/optimizer/{p}/") and n.op_type != "Constant"]
+        assert got == ops.split(), p
