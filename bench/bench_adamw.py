@@ -6,7 +6,8 @@ and applies AdamW; it is run here with the parameters and state bound as the ses
 when this onnxgrad has ``artifacts.in_place`` (outputs written into the input buffers), else into a spare
 set. ``--before PATH`` times the onnxgrad package under ``PATH`` too (``git archive`` of another revision),
 with the guard the session of that revision used; each revision runs in its own process, alternately,
-``--rounds`` times, and each round reports the median of ``--reps`` runs.
+``--rounds`` times, and each round reports the median of ``--reps`` runs. ``NOINPLACE=1`` in the
+environment binds this revision's outputs to a spare set too (in place against double-buffered).
 
     PYTHONPATH=. python bench/bench_adamw.py --before /tmp/memory-before
 
