@@ -52,7 +52,7 @@ from .optim import AdamW, Optimizer, UpdateContext
 from .params import ParameterReport, parameters, restore_ties
 from .train_mode import to_eval_mode, to_train_mode
 
-__all__ = ["TrainingSpec", "TrainingArtifacts", "SplitStep", "Bucket", "build", "META_KEY"]
+__all__ = ["TrainingSpec", "TrainingArtifacts", "SplitStep", "Bucket", "build", "in_place", "META_KEY"]
 
 META_KEY = "onnxgrad.training"
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6)
@@ -527,8 +527,10 @@ class _Builder:
             state = {s: e.add_input(f"{p}.{s}", self.dtypes[p], self.shapes[p],
                                     f"optimizer state '{s}' of '{p}'", init_state[s])
                      for s in optimizer.active_state()}
+            guarded = self.guard and optimizer.guards_itself()     # one Where on the gradient, not per output
+            ctx.finite = finite if guarded else None
             new_p, new_state = optimizer.update(ctx, pb.var(p), grads[p], state)
-            if self.guard:
+            if self.guard and not guarded:
                 new_p = pb.op.Where(finite, new_p, pb.var(p))
                 new_state = {s: pb.op.Where(finite, v, state[s]) for s, v in new_state.items()}
             e.output(new_p, f"{p}.next", self.dtypes[p], self.shapes[p], f"'{p}' after the update")
@@ -626,13 +628,65 @@ def _prune(model: onnx.ModelProto, outputs: Sequence[str]) -> onnx.ModelProto:
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
-    needed = G.dependencies(g.node, outputs)
+    nodes = list(g.node)            # one wrapper per node, alive while their ids are compared
+    needed, live = G.live(nodes, outputs)
+    kept = {id(n) for n in live}
+    for i in reversed(range(len(nodes))):
+        if id(nodes[i]) not in kept:
+            del g.node[i]
     wanted = set(outputs)
-    M.keep_only(g.node, lambda n: any(o in needed for o in n.output if o))
     M.keep_only(g.output, lambda o: o.name in wanted)
     M.keep_only(g.input, lambda i: i.name in needed)
     M.keep_only(g.initializer, lambda t: t.name in needed)
     return m
+
+
+# Producers whose kernels read element i of each input before writing element i of the output, so the
+# output may share an input's buffer (onnxruntime's own in-place reuse covers these ops).
+_ELEMENTWISE = frozenset({"Where", "Add", "Sub", "Mul", "Div"})
+_METADATA = frozenset({"Shape", "Size"})      # readers of a tensor's shape, not of its data
+
+
+def in_place(model: onnx.ModelProto, pairs: dict[str, str], finite: str) -> set[str]:
+    """The inputs among ``pairs`` (graph input -> graph output) whose output may be written into the
+    input's own buffer (IOBinding both to one OrtValue), so that a step keeps one copy of each tensor.
+
+    A pair qualifies when its output is guarded, so that a failed step writes the old value back: its
+    producer depends on the ``finite`` tensor (the guard's ``Where``); the producer is elementwise (it reads
+    element i before it writes element i); and every other reader of the input is an ancestor of the
+    producer, so none runs after the buffer is overwritten. Readers upstream of ``finite`` (the forward and
+    backward) are ancestors through it; the others are found by walking back from the producer, through
+    the nodes ``finite`` does not depend on (the update's own few nodes).
+    """
+    if not finite:
+        return set()
+    nodes = list(model.graph.node)        # one wrapper per node, alive while their ids are compared
+    upstream = {id(n) for n in G.live(nodes, [finite])[1]}
+    producer = {o: n for n in nodes for o in n.output if o}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in nodes:
+        if n.op_type in _METADATA and n.domain in ("", "ai.onnx"):
+            continue                      # reads the shape, never the data
+        read = set(n.input) | (M.subgraph_inputs(n) if M.has_subgraph(n) else set())
+        for name in read & pairs.keys():
+            readers.setdefault(name, []).append(n)
+    safe = set()
+    for inp, out in pairs.items():
+        node = producer.get(out)
+        if node is None or node.op_type not in _ELEMENTWISE or node.domain not in ("", "ai.onnx") or inp == out:
+            continue
+        local, guarded, todo = {id(node)}, False, [node]
+        while todo:                     # the producer's ancestors that finite does not depend on
+            n = todo.pop()
+            for x in n.input:
+                guarded |= x == finite
+                p = producer.get(x)
+                if p is not None and id(p) not in upstream and id(p) not in local:
+                    local.add(id(p))
+                    todo.append(p)
+        if guarded and all(id(r) in upstream or id(r) in local for r in readers.get(inp, ())):
+            safe.add(inp)
+    return safe
 
 
 def _set_meta(model: onnx.ModelProto, spec: TrainingSpec) -> None:

@@ -8,13 +8,17 @@
 >>> s.save("ckpt.onnxgrad"); s = TrainingSession.load("ckpt.onnxgrad")
 >>> s.export("trained.onnx")
 
-The graphs come from :mod:`onnxgrad.artifacts`. Parameters and optimizer
-state live on the session's device as OrtValues; each step binds them as
-inputs and binds a second set of buffers as the outputs (``<param>.next``),
-then swaps the two sets: weights never travel to the host between steps.
-A step whose loss or gradients are not finite is never applied: it raises
-:class:`NonFiniteError` (``on_nonfinite="raise"``) or is counted in
-``skipped_steps`` and warned about (``"skip"``).
+The graphs come from :mod:`onnxgrad.artifacts`. Parameters, optimizer state and
+running statistics live on the session's device as OrtValues, one buffer each:
+a step binds each as an input and its ``.next`` output to the same buffer, so
+the update is written in place (the graphs are guarded: a step whose loss or
+gradients are not finite writes the old values back; :func:`onnxgrad.artifacts.in_place`
+checks that the update is the buffer's last reader). Weights never travel to
+the host between steps. A tensor that fails the check (and the accumulators,
+the data-parallel running statistics) keeps a spare buffer the step writes,
+then the two swap. A step whose loss or gradients are not finite is never
+applied: it raises :class:`NonFiniteError` (``on_nonfinite="raise"``) or is
+counted in ``skipped_steps`` and warned about (``"skip"``).
 
 With ``data_parallel=True`` and more than one worker, a step runs the split
 graphs (:class:`onnxgrad.artifacts.SplitStep`): backward into flat gradient
@@ -152,7 +156,7 @@ class TrainingSession:
         self.rank = self._engine.rank if self._engine else 0
         self.world_size = self._engine.world_size if self._engine else 1
         self.artifacts = A.build(model, loss, optimizer, frozen=frozen, trainable=trainable,
-                                 clip_grad_norm=clip_grad_norm, accumulation_steps=accumulation_steps, guard=False,
+                                 clip_grad_norm=clip_grad_norm, accumulation_steps=accumulation_steps, guard=True,
                                  defaults=False, train_mode=train_mode, keep_grads=keep_grads,
                                  strict_tags=strict_tags, split=self.world_size > 1,
                                  target=target_for(self._providers))
@@ -183,28 +187,34 @@ class TrainingSession:
         self._backward = self._session(self._split.backward) if self._split else None
         self._evals: dict[bool, Any] = {}
 
-        # device buffers: current values and a spare set the next step writes into
-        self._sets: list[dict[str, Any]] = [{}, {}]     # two buffer sets; a step reads one, writes the other
-        self._parity = 0                                   # which set holds the current values
+        # device buffers: the current values, and a spare set the step writes for what is not updated in place
+        self._inplace = self._in_place()
+        self._sets: list[dict[str, Any]] = [{}, {}]     # a step reads one set and writes the other ...
+        self._parity = 0                                   # (which set holds the current values)
         self._bindings: list[Any] | None = None            # one prebuilt IOBinding per parity
         self._layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
-        values = dict(self.artifacts.initial_params)
-        values.update(self.artifacts.initial_buffers)
-        for p, states in self.artifacts.initial_state.items():
+        art = self.artifacts
+        values = {**art.initial_params, **art.initial_buffers}
+        for p, states in art.initial_state.items():
             for s, v in states.items():
                 values[spec.state[p][s][0]] = v
         for name, v in values.items():
             self._sets[0][name] = self._device_value(v)
-            self._sets[1][name] = self._empty_like(v)
+            # ... and for the tensors updated in place, both sets hold the one buffer
+            self._sets[1][name] = self._sets[0][name] if name in self._inplace else self._empty_like(v)
             self._layout[name] = (tuple(v.shape), np.dtype(v.dtype))
+        del values
+        # the session's copies are its device buffers: the numpy starting values and the trained tensors'
+        # data in the loss and forward models go (save, export and parameters() read the buffers)
+        art.initial_params, art.initial_buffers, art.initial_state = {}, {}, {}
+        _drop_data(art.loss_model, self._layout)
+        _drop_data(art.forward, self._layout)
         if spec.accumulation_steps > 1:
-            self._acc_zero = {i: self._device_value(np.zeros_like(self.artifacts.initial_params[p]))
-                              for p, (i, _) in spec.accumulators.items()}
-            self._acc_bufs = [{i: self._empty_like(self.artifacts.initial_params[p])
-                               for p, (i, _) in spec.accumulators.items()} for _ in range(2)]
+            self._acc_zero = {i: self._zeros(p) for p, (i, _) in spec.accumulators.items()}
+            self._acc_bufs = [{i: self._empty(p) for p, (i, _) in spec.accumulators.items()} for _ in range(2)]
             self._acc_parity = 0
         self._acc_valid = False
-        self._grad_bufs = {p: self._empty_like(self.artifacts.initial_params[p]) for p in spec.grads}
+        self._grad_bufs = {p: self._empty(p) for p in spec.grads}
         self._scalars = {k: ort.OrtValue.ortvalue_from_shape_and_type([], dt, "cpu", 0)
                          for k, dt in (("loss", self._dtype_of(spec.loss)), ("finite", np.bool_),
                                        ("grad_norm", np.float32))}
@@ -241,7 +251,9 @@ class TrainingSession:
             return self._split_step(data, rate, samples)
         if self._micro < spec.accumulation_steps - 1:
             return self._accumulate_step(data)
-        io_ = self._train_binding()
+        # a poisoned window (a non-finite micro-batch, on_nonfinite="skip") is not applied: the outputs
+        # updated in place go to scratch buffers
+        io_ = self._train_binding(discard=self._poisoned)
         for name, arr in data.items():
             io_.bind_cpu_input(name, arr)
         io_.bind_cpu_input(spec.lr, np.array(rate, np.float32))
@@ -348,22 +360,46 @@ class TrainingSession:
     def _set_current(self, name: str, value: Any) -> None:
         """Replace a current buffer (restore, load_parameters): the prebuilt bindings are rebuilt."""
         self._sets[self._parity][name] = value
+        if name in self._inplace:
+            self._sets[1 - self._parity][name] = value
         self._bindings = None
 
-    def _train_binding(self):
-        """The IOBinding reading the current set and writing the other, with the loss scalars bound."""
-        if self._bindings is None:
-            spec, outputs = self.spec, self._outputs()
-            if self._split:           # the update graph: buckets in; running statistics are the backward's
-                outputs = {i: o for i, o in outputs.items() if i not in spec.buffers}
-            self._bindings = []
+    def _train_outputs(self) -> dict[str, str]:
+        """Input -> output names of what the graph that updates writes."""
+        outputs = self._outputs()
+        if self._split:           # the update graph: buckets in; running statistics are the backward's
+            outputs = {i: o for i, o in outputs.items() if i not in self.spec.buffers}
+        return outputs
+
+    def _in_place(self) -> set[str]:
+        """The tensors every graph that writes them can update in their own buffer."""
+        train = self._split.update if self._split else self.artifacts.train
+        names = A.in_place(train, self._train_outputs(), self.spec.finite)
+        if self._accumulate_model() is not None:     # it writes the running statistics too
+            buffers = {r: o for r, (_, o) in self.spec.buffers.items()}
+            names -= set(buffers) - A.in_place(self.artifacts.accumulate, buffers, self.spec.finite)
+        return names
+
+    def _accumulate_model(self) -> onnx.ModelProto | None:
+        return self.artifacts.accumulate if not self._split else None
+
+    def _train_binding(self, discard: bool = False):
+        """The IOBinding reading the current set and writing the other (or in place), with the loss scalars
+        bound; ``discard``: one whose in-place outputs go to scratch buffers, so that nothing changes."""
+        if self._bindings is None or discard:
+            spec, outputs = self.spec, self._train_outputs()
+            bindings = []
             for k in (0, 1):
+                if discard and k != self._parity:
+                    bindings.append(None)
+                    continue
                 io_ = self._train.io_binding()
                 for name, ov in self._sets[k].items():
                     if not (self._split and name in spec.buffers):
                         io_.bind_ortvalue_input(name, ov)
                 for inp, out in outputs.items():
-                    io_.bind_ortvalue_output(out, self._sets[1 - k][inp])
+                    scratch = discard and inp in self._inplace
+                    io_.bind_ortvalue_output(out, self._empty(inp) if scratch else self._sets[1 - k][inp])
                 for name, ov in (self._reduced.items() if self._split else ()):
                     io_.bind_ortvalue_input(name, ov)
                 io_.bind_ortvalue_output(spec.loss, self._scalars["loss"])
@@ -371,7 +407,10 @@ class TrainingSession:
                 io_.bind_ortvalue_output(spec.grad_norm, self._scalars["grad_norm"])
                 for p, out in spec.grads.items():
                     io_.bind_ortvalue_output(out, self._grad_bufs[p])
-                self._bindings.append(io_)
+                bindings.append(io_)
+            if discard:
+                return bindings[self._parity]
+            self._bindings = bindings
         return self._bindings[self._parity]
 
     def _accumulate_step(self, data: dict[str, np.ndarray]) -> float:
@@ -666,6 +705,15 @@ class TrainingSession:
         arr = np.array(arr, copy=True, order="C")
         return self._ort.OrtValue.ortvalue_from_numpy(arr, self.device, self.device_id)
 
+    def _empty(self, name: str):
+        """An uninitialised device buffer of the shape and type of the held tensor ``name``."""
+        shape, dtype = self._layout[name]
+        return self._ort.OrtValue.ortvalue_from_shape_and_type(list(shape), dtype, self.device, self.device_id)
+
+    def _zeros(self, name: str):
+        shape, dtype = self._layout[name]
+        return self._device_value(np.zeros(shape, dtype))
+
     def _empty_like(self, arr: np.ndarray):
         return self._ort.OrtValue.ortvalue_from_shape_and_type(list(arr.shape), arr.dtype, self.device,
                                                                self.device_id)
@@ -677,11 +725,11 @@ class TrainingSession:
         return np.dtype(np.float32)
 
     def _checked(self, name: str, v: np.ndarray) -> np.ndarray:
-        ref = self.artifacts.initial_params[name]
+        shape, dtype = self._layout[name]
         v = np.asarray(v)
-        if v.shape != ref.shape:
-            raise OnnxGradError(f"'{name}' has shape {list(ref.shape)}, got {list(v.shape)}")
-        return v.astype(ref.dtype, copy=False)
+        if v.shape != shape:
+            raise OnnxGradError(f"'{name}' has shape {list(shape)}, got {list(v.shape)}")
+        return v.astype(dtype, copy=False)
 
     def _data(self, feeds: Mapping[str, np.ndarray], names: Sequence[str], what: str,
               known: set[str] | None = None) -> dict[str, np.ndarray]:
@@ -718,19 +766,22 @@ class TrainingSession:
 
     def _stripped_model(self) -> onnx.ModelProto:
         """The loss model with the trained tensors' data left out (they are stored as arrays)."""
-        m = onnx.ModelProto()
-        m.CopyFrom(self.artifacts.loss_model)
-        for init in m.graph.initializer:
-            if init.name in self.spec.params or init.name in self.spec.buffers:
-                dims, dtype, name = list(init.dims), init.data_type, init.name
-                init.Clear()
-                init.name, init.data_type = name, dtype
-                init.dims.extend(dims)
-        return m
+        return self.artifacts.loss_model      # the session dropped their data when it was built
 
     def __repr__(self) -> str:
         return (f"TrainingSession({len(self.spec.params)} parameters, {type(self.optimizer).__name__}, "
                 f"lr={self.lr}, step_count={self.step_count}, device={self.device})")
+
+
+def _drop_data(model: onnx.ModelProto, held: Mapping[str, Any]) -> None:
+    """Clear, in place, the data of ``model``'s initializers named in ``held`` (the session's buffers hold
+    them), keeping their names, types and shapes."""
+    for init in model.graph.initializer:
+        if init.name in held:
+            dims, dtype, name = list(init.dims), init.data_type, init.name
+            init.Clear()
+            init.name, init.data_type = name, dtype
+            init.dims.extend(dims)
 
 
 # -- files ----------------------------------------------------------------------------------------------

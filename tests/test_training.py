@@ -236,13 +236,14 @@ def test_optimizer_state_layout():
 
 
 def test_parameters_are_not_copied_to_the_host_between_steps():
-    """Weights go in as bound OrtValues and come back into the spare set; the two sets swap."""
-    s = session(optim.SGD(lr=0.1))
-    cur, spare = dict(s._sets[s._parity]), dict(s._sets[1 - s._parity])
+    """Weights go in as bound OrtValues and the update is written back into the same ones (in place)."""
+    s = session(optim.SGD(lr=0.1, momentum=0.9))
+    cur = {k: (v, v.data_ptr()) for k, v in s._cur.items()}
+    start = s.parameters()
     s.step(batch(0))
-    assert all(s._sets[s._parity][k] is spare[k] and s._sets[1 - s._parity][k] is cur[k] for k in cur)
     s.step(batch(1))
-    assert all(s._sets[s._parity][k] is cur[k] for k in cur)
+    assert all(s._cur[k] is v and v.data_ptr() == ptr for k, (v, ptr) in cur.items())
+    assert all(not np.array_equal(v, start[k]) for k, v in s.parameters().items())
 
 
 def test_feeds_are_checked_and_coerced():

@@ -1,0 +1,196 @@
+"""The session's memory layout: one buffer per parameter, optimizer state and running statistic, updated in
+place, and training bit-identical to feeding the graph's outputs back (the double-buffered way)."""
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxgrad import TrainingSession, artifacts, losses, optim
+from test_training import batch, ce, mlp_model, poisoned, run_guarded
+
+ROOT = Path(__file__).resolve().parents[1]
+F = TensorProto.FLOAT
+
+
+def bn_model():
+    return onnx.load(ROOT / "models" / "cnn_bn_dynamo.onnx")
+
+
+def bn_batch(step):
+    rng = np.random.default_rng(10 + step)
+    return {"x": rng.standard_normal((2, 3, 16, 16)).astype(np.float32), "label": rng.integers(0, 5, 2)}
+
+
+def held_names(s):
+    return list(s.spec.params) + list(s.spec.buffers) + [i for st in s.spec.state.values() for i, _ in st.values()]
+
+
+def pointers(s):
+    return {n: s._cur[n].data_ptr() for n in held_names(s)}
+
+
+@pytest.mark.parametrize("kind", ["mlp", "bn"])
+def test_one_buffer_per_held_tensor_written_in_place(kind):
+    if kind == "mlp":
+        s = TrainingSession(mlp_model(), loss=ce(), optimizer=optim.AdamW(lr=1e-2))
+        feeds = batch
+    else:
+        s = TrainingSession(bn_model(), loss=losses.CrossEntropyLoss(output="y", target="label"),
+                            optimizer=optim.Adam(lr=1e-2))
+        feeds = bn_batch
+        assert s.spec.buffers
+    names = held_names(s)
+    assert set(s._inplace) == set(names)
+    assert all(s._sets[0][n] is s._sets[1][n] for n in names)
+    assert len({id(s._sets[k][n]) for k in (0, 1) for n in names}) == len(names)
+    start = pointers(s)
+    before = {**s.parameters(), **s.buffers()}
+    for step in range(3):
+        s.step(feeds(step))
+    assert pointers(s) == start                       # the same memory, rewritten
+    after = {**s.parameters(), **s.buffers()}
+    assert all(not np.array_equal(after[n], before[n]) for n in list(s.spec.params) + list(s.spec.buffers))
+
+
+def test_session_keeps_no_numpy_or_proto_copy_of_the_trained_tensors():
+    s = TrainingSession(mlp_model(), loss=ce(), optimizer=optim.AdamW(lr=1e-2))
+    art = s.artifacts
+    assert art.initial_params == {} and art.initial_state == {} and art.initial_buffers == {}
+    for m in (art.loss_model, art.forward, art.train, art.eval):
+        for init in m.graph.initializer:
+            if init.name in s.spec.params:
+                assert not init.raw_data and not init.float_data and list(init.dims)
+    s.step(batch(0))
+    exported = {i.name: numpy_helper.to_array(i) for i in s.exported_model().graph.initializer}
+    for name, value in s.parameters().items():
+        np.testing.assert_array_equal(exported[name], value)
+
+
+@pytest.mark.parametrize("optimizer", [optim.AdamW(lr=1e-2), optim.SGD(lr=0.1, momentum=0.9, nesterov=True),
+                                       optim.Adagrad(lr=0.1)], ids=["adamw", "sgd", "adagrad"])
+def test_in_place_training_is_bit_identical_to_feeding_the_outputs_back(optimizer):
+    s = TrainingSession(mlp_model(), loss=ce(), optimizer=optimizer, clip_grad_norm=1.0)
+    art = artifacts.build(mlp_model(), ce(), optimizer, clip_grad_norm=1.0, target="cpu")
+    feeds = [batch(i) for i in range(5)]
+    results, carried = run_guarded(art.train, feeds, optimizer.lr, art.initial_values())
+    losses_ = [s.step(f) for f in feeds]
+    np.testing.assert_array_equal(losses_, [float(r["loss"]) for r in results])
+    for name, value in s.parameters().items():
+        np.testing.assert_array_equal(value, carried[name], err_msg=name)
+    for p, st in s.optimizer_state().items():
+        for k, v in st.items():
+            np.testing.assert_array_equal(v, carried[s.spec.state[p][k][0]], err_msg=f"{p}.{k}")
+
+
+def test_in_place_running_statistics_are_bit_identical_and_kept_on_a_non_finite_step():
+    loss = losses.CrossEntropyLoss(output="y", target="label")
+    s = TrainingSession(bn_model(), loss=loss, optimizer=optim.SGD(lr=0.1), on_nonfinite="skip")
+    art = artifacts.build(bn_model(), loss, optim.SGD(lr=0.1), target="cpu")
+    feeds = [bn_batch(i) for i in range(4)]
+    spec = art.spec
+    # the reference carries the running statistics too
+    initial = art.initial_values()
+    carried = {k: v for k, v in initial.items() if k not in (spec.lr, spec.step)}
+    import onnxruntime as ort
+    ref = ort.InferenceSession(art.train.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in ref.get_outputs()]
+    for step, f in enumerate(feeds, start=1):
+        sess_out = dict(zip(names, ref.run(None, {**f, spec.lr: np.array(0.1, np.float32),
+                                                  spec.step: np.array(step, np.int64), **carried})))
+        carried.update({p: sess_out[o] for p, o in spec.params.items()})
+        carried.update({r: sess_out[o] for r, (_, o) in spec.buffers.items()})
+        s.step(f)
+    for name, value in {**s.parameters(), **s.buffers()}.items():
+        if name in carried:
+            np.testing.assert_array_equal(value, carried[name], err_msg=name)
+    held = {**s.parameters(), **s.buffers()}
+    bad = bn_batch(9)
+    bad["x"][0, 0, 0, 0] = np.nan
+    with pytest.warns(UserWarning, match="skipped"):
+        s.step(bad)
+    for name, value in {**s.parameters(), **s.buffers()}.items():
+        np.testing.assert_array_equal(value, held[name], err_msg=name)
+
+
+def test_a_poisoned_accumulation_window_leaves_the_in_place_buffers_alone():
+    s = TrainingSession(mlp_model(), loss=ce(), optimizer=optim.AdamW(lr=1e-2), accumulation_steps=2,
+                        on_nonfinite="skip")
+    s.step(batch(0))
+    s.step(batch(1))
+    params, state, ptrs = s.parameters(), s.optimizer_state(), pointers(s)
+    with pytest.warns(UserWarning):
+        s.step(poisoned())
+        s.step(batch(2))      # finite itself: the window's update still must not be applied
+    assert s.step_count == 1 and pointers(s) == ptrs
+    for name, value in s.parameters().items():
+        np.testing.assert_array_equal(value, params[name])
+    for p, st in s.optimizer_state().items():
+        for k, v in st.items():
+            np.testing.assert_array_equal(v, state[p][k])
+
+
+# -- artifacts.in_place: which outputs may share their input's buffer ---------------------------------------
+def _graph(nodes, inputs, outputs):
+    vi = helper.make_tensor_value_info
+    g = helper.make_graph(nodes, "g", [vi(n, TensorProto.BOOL if n == "finite" else F, [4]) for n in inputs],
+                          [vi(n, F, [4]) for n in outputs])
+    return helper.make_model(g)
+
+
+def test_in_place_needs_a_guarded_elementwise_last_reader():
+    n = helper.make_node
+    guarded = _graph([n("Mul", ["p", "g"], ["u"]), n("Where", ["finite", "u", "p"], ["p.next"])],
+                     ["p", "g", "finite"], ["p.next"])
+    assert artifacts.in_place(guarded, {"p": "p.next"}, "finite") == {"p"}
+    assert artifacts.in_place(guarded, {"p": "p.next"}, "") == set()          # no guard, no in-place
+    unguarded = _graph([n("Mul", ["p", "g"], ["p.next"])], ["p", "g"], ["p.next"])
+    assert artifacts.in_place(unguarded, {"p": "p.next"}, "finite") == set()
+    # another reader of p that the producer does not wait for: it could read the new value
+    late = _graph([n("Mul", ["p", "g"], ["u"]), n("Where", ["finite", "u", "p"], ["p.next"]),
+                   n("Add", ["p", "g"], ["other"])], ["p", "g", "finite"], ["p.next", "other"])
+    assert artifacts.in_place(late, {"p": "p.next"}, "finite") == set()
+    # a reader of the shape alone does not count
+    sized = _graph([n("Shape", ["p"], ["s"]), n("Mul", ["p", "g"], ["u"]),
+                    n("Where", ["finite", "u", "p"], ["p.next"])], ["p", "g", "finite"], ["p.next"])
+    assert artifacts.in_place(sized, {"p": "p.next"}, "finite") == {"p"}
+    # a producer that is not elementwise
+    shuffled = _graph([n("Where", ["finite", "g", "p"], ["u"]), n("Transpose", ["u"], ["p.next"], perm=[0])],
+                      ["p", "g", "finite"], ["p.next"])
+    assert artifacts.in_place(shuffled, {"p": "p.next"}, "finite") == set()
+
+
+# -- guarded updates: Adam/AdamW guard themselves with one Where on the gradient --------------------------------
+GUARDED = [optim.AdamW(lr=1e-2, weight_decay=0.1), optim.Adam(lr=1e-2, weight_decay=0.1),
+           optim.Adam(lr=1e-2, betas=(0.3, 0.99)), optim.Adam(lr=1e-2, eps=0.0), optim.SGD(lr=0.1, momentum=0.9)]
+
+
+@pytest.mark.parametrize("optimizer", GUARDED, ids=[repr(o) for o in GUARDED])
+def test_a_non_finite_step_leaves_every_in_place_tensor_unchanged(optimizer):
+    s = TrainingSession(mlp_model(), loss=ce(), optimizer=optimizer, on_nonfinite="skip")
+    for step in range(2):
+        s.step(batch(step))
+    params, state = s.parameters(), s.optimizer_state()
+    with pytest.warns(UserWarning, match="skipped"):
+        s.step(poisoned())
+    for name, value in s.parameters().items():
+        np.testing.assert_array_equal(value, params[name], err_msg=name)
+    for p, st in s.optimizer_state().items():
+        for k, v in st.items():
+            np.testing.assert_array_equal(v, state[p][k], err_msg=f"{p}.{k}")
+    s.step(batch(2))
+    assert s.step_count == 3 and all(np.isfinite(v).all() for v in s.parameters().values())
+
+
+@pytest.mark.parametrize("optimizer, ops", [
+    (optim.AdamW(), "Where Mul Sub Mul Add Mul Mul Mul Add Sqrt Add Mul Div Sub"),
+    (optim.Adam(eps=0.0), "Sub Mul Add Mul Mul Mul Add Sqrt Mul Div Sub Where Where Where"),
+    (optim.SGD(lr=0.1, momentum=0.9), "Mul Add Mul Sub Where Where"),
+], ids=["adamw", "adam-eps0", "sgd"])
+def test_guarded_update_ops_per_parameter(optimizer, ops):
+    art = artifacts.build(mlp_model(), ce(), optimizer, guard=True)
+    for p in art.spec.params:
+        got = [n.op_type for n in art.train.graph.node
+               if n.name.startswith(f"train/optimizer/{p}/") and n.op_type != "Constant"]
+        assert got == ops.split(), p
