@@ -45,7 +45,6 @@ import onnx.defs
 from onnx import helper
 
 from .builder import Builder, TensorInfo, Var
-from .errors import UnsupportedOpError
 
 Gradients = Sequence["Var | None"] | "Var | None"
 
@@ -228,6 +227,9 @@ class Node:
         self.inputs = [b.var(x) if x else None for x in proto.input]
         self.outputs = [b.var(y) if y else None for y in proto.output]
         self.dys = [_rebind(d, b) if d is not None else None for d in dys]  # bound to this node's builder
+        for d, y in zip(self.dys, self.outputs):
+            if type(d) is Var and y is not None:
+                b.with_shape(d, y)                  # the gradient of y has y's shape
         self._needed = needed
         self._attrs = {a.name: helper.get_attribute_value(a) for a in proto.attribute}
 
@@ -243,9 +245,12 @@ class Node:
         return i in self._needed
 
     def attr(self, name: str, default: Any = None) -> Any:
+        """Attribute ``name``'s value (``default`` when absent); strings, and lists of them, decoded."""
         v = self._attrs.get(name, default)
         if isinstance(v, bytes):
             return v.decode()
+        if isinstance(v, list) and v and isinstance(v[0], bytes):
+            return [s.decode() for s in v]
         return v
 
     def has_attr(self, name: str) -> bool:
@@ -270,9 +275,11 @@ class Node:
         value = self.const_value(i)
         return None if value is None else [int(v) for v in value.reshape(-1)]
 
-    def unsupported(self, reason: str):
-        """Decline: this node's configuration has no gradient here (raised as UnsupportedOpError)."""
-        raise UnsupportedOpError({self.proto.op_type: self.proto.name}, {self.proto.op_type: reason})
+    def decline(self, reason: str):
+        """This rule declines the node's configuration, saying why (:meth:`Builder.decline`)."""
+        self.b.decline(reason)
+
+    unsupported = decline       # the older name (rules/control.py, function_body.py still use it)
 
     def expose_output(self, i: int, hint: str, like: Var | None = None) -> Var:
         """Forward output i as a Var, naming it on the forward node if the model left it out.

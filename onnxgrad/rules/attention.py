@@ -151,7 +151,7 @@ class _AttentionBias:
             end = self.b.shape_of(self.mask, rank - 1, rank)
             dz = self.n.op.Slice(dz, self.b.ints([0]), end, self.b.ints([-1]))
             scores_shape = (*scores_shape[:3], _dim(self.mask, -1))
-        return self.b.unbroadcast(dz, self.mask, source=scores_shape)
+        return self.b.unbroadcast(self.b.with_shape(dz, scores_shape), self.mask)
 
     def probabilities(self, z: Var) -> Var:
         p = self.n.op.Softmax(z, axis=-1)

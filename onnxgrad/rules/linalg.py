@@ -74,7 +74,7 @@ def _matmul_grad_a(n: Node, a: Var, b: Var, dy: Var) -> Var:
     da = n.op.MatMul(dy, _swap_last(n, b))
     if b.rank == 2:
         return da                                             # A's batch dims are Y's
-    return n.b.unbroadcast(da, a, source=_batch_dims(n) + tuple(a.shape[-2:]))
+    return n.b.unbroadcast(n.b.with_shape(da, _batch_dims(n) + tuple(a.shape[-2:])), a)
 
 
 def _matmul_grad_b(n: Node, a: Var, b: Var, dy: Var) -> Var:
@@ -88,7 +88,7 @@ def _matmul_grad_b(n: Node, a: Var, b: Var, dy: Var) -> Var:
         db = _gemm(n, rows_a, rows_dy, transA=1)                  # [k, n]
         return db if b.rank == 2 else n.b.reshape_like(db, b)
     db = n.op.MatMul(_swap_last(n, a), dy)
-    return n.b.unbroadcast(db, b, source=_batch_dims(n) + tuple(b.shape[-2:]))
+    return n.b.unbroadcast(n.b.with_shape(db, _batch_dims(n) + tuple(b.shape[-2:])), b)
 
 
 def _matmul_vector_times_matrix(n: Node, a: Var, b: Var, dy: Var):
@@ -165,7 +165,7 @@ def gemm(n: Node):
         else:        # dB = (alpha A'^T dY)^T = alpha dY^T A'
             db = _gemm(n, dy, a, alpha=scale, transA=1, transB=ta)
     if c is not None and n.needs(2):
-        dc = n.b.unbroadcast(dy, c, source=n.outputs[0])
+        dc = n.b.unbroadcast(dy, c)
         if beta != 1.0:
             dc = dc * beta
     return (da, db, dc)[:len(n.inputs)]

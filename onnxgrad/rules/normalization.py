@@ -185,9 +185,9 @@ def layer_normalization(n):
         dx = terms[0] if len(terms) == 1 else terms[0] + terms[1]
         dx = _cast(n, dx, back)
     if dy is not None and n.needs(1):
-        dscale = n.b.unbroadcast(_cast(n, dys * xhat, back), scale, source=x)
+        dscale = n.b.unbroadcast(n.b.with_shape(_cast(n, dys * xhat, back), x), scale)
     if dy is not None and bias is not None and n.needs(2):
-        dB = n.b.unbroadcast(dy, bias, source=x)
+        dB = n.b.unbroadcast(dy, bias)
     return (dx, dscale, dB)[:len(n.inputs)]
 
 
@@ -209,7 +209,7 @@ def rms_normalization(n):
         g = dys * _cast(n, scale, compute)
         dx = _cast(n, r * (g - xhat * _mean(n, g * xhat, axes)), back)
     if n.needs(1):
-        dscale = n.b.unbroadcast(_cast(n, dys * xhat, back), scale, source=x)
+        dscale = n.b.unbroadcast(n.b.with_shape(_cast(n, dys * xhat, back), x), scale)
     return dx, dscale
 
 
