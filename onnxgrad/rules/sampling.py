@@ -260,7 +260,7 @@ def _scatter_taps(n: Node, x: Var, index: Var, weight: Var | None, batch: Var | 
         batch = b.arange(b.dim(dy, 0))
     base = b.unsqueeze(n.op.Mul(batch, n.b.vector([pixels])), [1, 2])                  # (B, 1, 1)
     rows = n.op.Reshape(n.op.Add(index, base), b.ints([-1, 1]))
-    zeros = n.b.zeros([n.b.prod([n_x, pixels], channels]), dy)
+    zeros = n.b.zeros([n.b.prod([n_x, pixels]), channels], dy)
     grad = n.op.ScatterND(zeros, rows, updates, reduction="add")                      # (N * P, C)
     grad = n.op.Transpose(n.op.Reshape(grad, n.b.vector([n_x, pixels, channels])), perm=[0, 2, 1])
     return b.reshape_like(grad, x)
