@@ -133,7 +133,7 @@ def _resize_plans(n: Node, x: Var, axes: list[int]) -> dict[int, dict]:
     common = None
     if use_sizes and policy != "stretch":
         if sizes is None or None in static_in:
-            n.unsupported(f"Resize with keep_aspect_ratio_policy='{policy}' needs constant sizes "
+            n.decline(f"Resize with keep_aspect_ratio_policy='{policy}' needs constant sizes "
                           "and a static input shape")
         ratios = [s / d for s, d in zip(sizes.tolist(), static_in)]
         common = min(ratios) if policy == "not_larger" else max(ratios)
@@ -173,7 +173,7 @@ def _keep_ratio_plan(n: Node, scale: float, size_in: int) -> dict:
     ctm = n.attr("coordinate_transformation_mode", "half_pixel")
     cubic_inside = n.attr("mode", "nearest") == "cubic" and n.attr("exclude_outside", 0)
     if ctm not in ("half_pixel", "asymmetric", "tf_half_pixel_for_nn", "pytorch_half_pixel") or cubic_inside:
-        n.unsupported("Resize with keep_aspect_ratio_policy where round(scale * in) differs from floor(scale * in) "
+        n.decline("Resize with keep_aspect_ratio_policy where round(scale * in) differs from floor(scale * in) "
                       f"(scale {scale:g}, input size {size_in}) and coordinate_transformation_mode '{ctm}'"
                       + (" with exclude_outside" if cubic_inside else ""))
     return {"scale": float(np.float32(scale)), "rows": out, "pad": int(np.ceil(2.0 / scale)) + 2}

@@ -293,7 +293,7 @@ def pad(n: Node):
     if mode == "constant":
         return (_pad_grad_constant(n, begin, end),)
     if any(p < 0 for p in begin + end):
-        n.unsupported(f"Pad mode '{mode}' with negative pads")
+        n.decline(f"Pad mode '{mode}' with negative pads")
     g = n.dy
     for a in range(r):
         if begin[a] or end[a]:
@@ -375,7 +375,7 @@ def _fold_dynamic(n: Node, g: Var, axis: int, r: int, d: Dim, mode: str, begin: 
     elif mode == "wrap":
         src = n.op.Mod(j, d0)       # fmod=0: the divisor's sign, so negative j wrap to the end
     else:
-        n.unsupported(f"Pad mode '{mode}'")
+        n.decline(f"Pad mode '{mode}'")
     n.b.infos[src.name] = TensorInfo(TensorProto.INT64, (None,))
     dims = [d if a == axis else n.b.dim(g, a) for a in range(r)]
     return _index_add(n, dims, axis, src, g, g)
@@ -775,7 +775,7 @@ def _scatter_grads(n: Node, gather, scatter, unique):
         d_data = share * won_data if n.needs(0) else None
         d_upd = gather(share) * won_upd if n.needs(2) else None
     else:
-        n.unsupported(f"reduction '{reduction}'")
+        n.decline(f"reduction '{reduction}'")
     return d_data, None, d_upd
 
 
