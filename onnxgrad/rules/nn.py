@@ -519,7 +519,7 @@ def col2im(n):
         eye = n.b.const_like(np.eye(taps).reshape(taps, 1, *block), x)
     else:       # the same identity kernel made at run time: EyeLike of a [taps, taps] fill, reshaped
         taps = b.reduce("ReduceProd", n.inputs[2], None)                                 # [1]
-        square = b.cast_like(n.op.ConstantOfShape(n.op.Concat(taps, taps, axis=0)), x)
+        square = b.zeros(n.op.Concat(taps, taps, axis=0), x)
         eye = n.op.Reshape(n.op.EyeLike(square), n.op.Concat(taps, b.ints([1]), n.inputs[2], axis=0))
     image = n.const_ints(1)
     image = b.ints(image) if image is not None else n.input(1)
