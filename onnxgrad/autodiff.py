@@ -385,7 +385,7 @@ class _Pass:
 
                 if not isinstance(g, (SequenceGrad, Update)) or M.container_kind(self.infos.get(node.input[i])) is None:
                     raise RuleError(f"rule for {node.op_type} returned {type(g).__name__} for input {i}")
-            elif rule.broadcast:
+            elif rule.broadcast:        # a broadcasting rule's gradient has the output's shape
                 g = b.unbroadcast(b.with_shape(g, b.var(node.output[0])), b.var(node.input[i]))
             self.contributions.setdefault(node.input[i], []).append(g)
 

@@ -212,6 +212,8 @@ class Node:
     ``n.dy``: gradient of the first output; ``n.dys[i]`` of output i (None when no gradient reaches it).
     ``n.needs(i)``: whether the pass wants the gradient of input i (rules may skip work otherwise).
     ``n.op``: emit any ai.onnx op, e.g. ``n.op.Conv(dy, w, strides=[2, 2])``.
+    ``n.b``: the builder, with the helper library (``b.rank(x)``, ``b.dim(x, i)``, ``b.zeros(shape, like)``...).
+    ``n.decline(reason)``: this configuration has no gradient here (an UnsupportedOpError saying why).
     ``n.outer_needed`` / ``n.outer_grads``: for If/Loop/Scan, the outer-scope tensors their bodies read
     that need a gradient, and the rule's gradients of them.
     """
