@@ -7,6 +7,12 @@ Rules are written against :class:`Var` so that they read like the formula::
 Every node is appended to the :class:`Builder` that created the operands; the
 builder owns all state (no globals), knows the opset it emits for, and names
 its nodes after the forward node they belong to.
+
+Every Var knows what is statically known of its shape (:class:`TensorInfo`), so rules share one
+helper library here instead of private copies: sizes as :data:`Dim` (``b.rank``, ``b.dim``,
+``b.dims``, ``b.vector``, ``b.prod``, ``b.arange``, ``b.zeros``, ``b.normalize_axis``),
+:meth:`Builder.unbroadcast` reading the gradient's recorded shape, :meth:`Builder.decline` (the one
+way a rule declines a configuration), :func:`total` and the constants :data:`INT64_MAX` / :data:`INT64_MIN`.
 """
 from __future__ import annotations
 
