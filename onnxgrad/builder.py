@@ -531,14 +531,16 @@ class Builder:
     def with_shape(self, v: Var, shape: "Var | Sequence[int | None] | None") -> Var:
         """Record that ``v`` has ``shape`` (another Var's, or dims with None where unknown): what a rule
         knows that the builder could not derive. Dims already recorded stay; returns ``v``."""
-        known = shape.shape if isinstance(shape, Var) else shape
-        if known is None:
-            return v
         info = self.infos.get(v.name)
         have = None if info is None else info.shape
+        if have is not None and None not in have:
+            return v                                # the common case: already static
+        known = shape.shape if type(shape) is Var else shape
+        if known is None:
+            return v
         if have is None:
             merged = tuple(known)
-        elif None not in have or len(have) != len(known):
+        elif len(have) != len(known):
             return v
         else:
             merged = tuple(k if h is None else h for h, k in zip(have, known))

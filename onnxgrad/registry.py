@@ -229,9 +229,12 @@ class Node:
         self.inputs = [b.var(x) if x else None for x in proto.input]
         self.outputs = [b.var(y) if y else None for y in proto.output]
         self.dys = [_rebind(d, b) if d is not None else None for d in dys]  # bound to this node's builder
+        infos = b.infos
         for d, y in zip(self.dys, self.outputs):
             if type(d) is Var and y is not None:
-                b.with_shape(d, y)                  # the gradient of y has y's shape
+                info = infos.get(d.name)
+                if info is None or info.shape is None or None in info.shape:
+                    b.with_shape(d, y)              # the gradient of y has y's shape
         self._needed = needed
         self._attrs = {a.name: helper.get_attribute_value(a) for a in proto.attribute}
 
