@@ -385,8 +385,8 @@ class _Pass:
 
                 if not isinstance(g, (SequenceGrad, Update)) or M.container_kind(self.infos.get(node.input[i])) is None:
                     raise RuleError(f"rule for {node.op_type} returned {type(g).__name__} for input {i}")
-            elif rule.broadcast:
-                g = b.unbroadcast(g, b.var(node.input[i]), source=b.var(node.output[0]))
+            elif rule.broadcast:        # a broadcasting rule's gradient has the output's shape
+                g = b.unbroadcast(b.with_shape(g, b.var(node.output[0])), b.var(node.input[i]))
             self.contributions.setdefault(node.input[i], []).append(g)
 
     # -- 4. the result -----------------------------------------------------------------
@@ -414,7 +414,7 @@ class _Pass:
                     continue
                 info = infos.get(name) or TensorInfo()
                 shape, dtype = info.shape, info.dtype
-                if shape is None or dtype is None:
+                if shape is None or dtype is None or None in shape:     # partial: x's symbolic dims
                     x = grad_of.get(name)
                     if x is not None and _has_shape(self.types[x]):
                         typed.append((name, self.types[x]))              # symbolic dims kept

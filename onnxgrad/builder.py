@@ -7,11 +7,17 @@ Rules are written against :class:`Var` so that they read like the formula::
 Every node is appended to the :class:`Builder` that created the operands; the
 builder owns all state (no globals), knows the opset it emits for, and names
 its nodes after the forward node they belong to.
+
+Every Var knows what is statically known of its shape (:class:`TensorInfo`), so rules share one
+helper library here instead of private copies: sizes as :data:`Dim` (``b.rank``, ``b.dim``,
+``b.dims``, ``b.vector``, ``b.prod``, ``b.arange``, ``b.zeros``, ``b.normalize_axis``),
+:meth:`Builder.unbroadcast` reading the gradient's recorded shape, :meth:`Builder.decline` (the one
+way a rule declines a configuration), :func:`total` and the constants :data:`INT64_MAX` / :data:`INT64_MIN`.
 """
 from __future__ import annotations
 
 from functools import lru_cache, partial
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence, Union
 
 import numpy as np
 import onnx
@@ -21,6 +27,9 @@ from onnx import TensorProto, helper, numpy_helper
 FLOAT_TYPES = frozenset(
     {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 )
+
+INT64_MAX = int(np.iinfo(np.int64).max)     # Slice's "to the end"
+INT64_MIN = int(np.iinfo(np.int64).min)     # Slice's "to the start" (negative steps)
 
 # Element type of outputs of ops whose output type does not follow their first input.
 _SHARED_CONSTANT_SIZE = 64     # elements; larger constants are not worth comparing
@@ -106,6 +115,21 @@ class Var:
 
     def __repr__(self) -> str:
         return f"Var({self.name!r})"
+
+
+Dim = Union[int, Var]
+"""A size: an ``int`` when known at build time, else a 1-element int64 tensor ``[size]`` read at run time."""
+
+
+def total(*terms: Var | None) -> Var | None:
+    """The sum of the terms that are there (None when none is): gradients that may be absent."""
+    present = [t for t in terms if t is not None]
+    if not present:
+        return None
+    out = present[0]
+    for t in present[1:]:
+        out = out + t
+    return out
 
 
 class _Ops:
@@ -330,16 +354,17 @@ class Builder:
         if like.dtype is not None:
             return self.emit("Cast", [v], to=like.dtype)
         if self.opset < 15:
-            self._decline(f"the element type of '{like.name}' is unknown and CastLike needs opset 15; "
+            self.decline(f"the element type of '{like.name}' is unknown and CastLike needs opset 15; "
                           "declare the model's types")
         return self.emit("CastLike", [v, like])
 
-    def _decline(self, reason: str):
-        """The forward node this builder serves cannot be differentiated here: an UnsupportedOpError."""
+    def decline(self, reason: str):
+        """The forward node this builder serves cannot be differentiated in this configuration: raise
+        an :class:`~onnxgrad.errors.UnsupportedOpError` saying why (the one decline path of rules)."""
         from .errors import UnsupportedOpError
 
-        op, node = self.op_type or "onnxgrad", self.prefix.split("/")[0]
-        raise UnsupportedOpError({op: node}, {op: reason})
+        node = self.prefix.rsplit("/", 1)[0] if "/" in self.prefix else self.prefix
+        raise UnsupportedOpError.rule_declines(self.op_type or "onnxgrad", node, reason)
 
     def lift(self, x: Any, like: Var | None = None) -> Var:
         """Turn Python numbers into constants (of ``like``'s type); pass Vars through."""
@@ -357,7 +382,7 @@ class Builder:
             return self.emit(op_type, [x], keepdims=int(keepdims))
         if isinstance(axes, Var):
             if not axes_as_input:
-                self._decline(f"{op_type} over axes known only at run time needs opset 18")
+                self.decline(f"{op_type} over axes known only at run time needs opset 18")
             return self.emit(op_type, [x, axes], keepdims=int(keepdims))
         axes = list(axes)
         if axes_as_input:
@@ -380,7 +405,7 @@ class Builder:
         if self.opset >= 15:
             return self.emit("Shape", [x], start=start, end=end)
         s = self.emit("Shape", [x])
-        ends = [end if end is not None else np.iinfo(np.int64).max]
+        ends = [end if end is not None else INT64_MAX]
         return self.emit("Slice", [s, self.ints([start or 0]), self.ints(ends)])
 
     def zeros_like(self, x: Var) -> Var:
@@ -389,10 +414,98 @@ class Builder:
 
     def fill_like(self, x: Var, value: float) -> Var:
         """A tensor of x's shape and type filled with ``value`` (ConstantOfShape, no big constants)."""
-        shape = self.ints(x.shape) if x.info.static else self.shape_of(x)
-        np_type = helper.tensor_dtype_to_np_dtype(x.dtype) if x.dtype is not None else np.float32
+        return self.fill(self.ints(x.shape) if x.info.static else self.shape_of(x), value, x)
+
+    def fill(self, shape: Var | Sequence[Dim], value: float, like: Var) -> Var:
+        """A tensor of ``shape`` (a 1-D int64 tensor, or sizes) filled with ``value`` in ``like``'s type."""
+        if not isinstance(shape, Var):
+            shape = self.vector(shape)
+        np_type = helper.tensor_dtype_to_np_dtype(like.dtype) if like.dtype is not None else np.float32
         filled = self.emit("ConstantOfShape", [shape], value=numpy_helper.from_array(np.full(1, value, np_type)))
-        return self.cast_like(filled, x)
+        return self.cast_like(filled, like)
+
+    def zeros(self, shape: Var | Sequence[Dim], like: Var) -> Var:
+        """Zeros of ``shape`` (a 1-D int64 tensor, or sizes) in ``like``'s element type."""
+        return self.fill(shape, 0.0, like)
+
+    # -- the helper library: ranks, sizes, axes -------------------------------------
+    # Sizes are :data:`Dim`: an int when known at build time, else a 1-element int64 tensor, so that a
+    # rule reads the same whether shapes are static or not, and folds to constants where they are.
+    def rank(self, x: Var) -> int:
+        """x's rank; declines when it is unknown when the gradient is built."""
+        r = x.rank
+        if r is None:
+            self.decline(f"the rank of '{x.name}' is unknown when the gradient is built (run shape inference)")
+        return r
+
+    def normalize_axis(self, axis: int, rank: int) -> int:
+        """``axis`` in [0, rank) (ONNX counts negative axes from the end); declines when out of range."""
+        if not -rank <= axis < rank:
+            self.decline(f"axis {axis} is out of range for rank {rank}")
+        return axis % rank
+
+    def dim(self, x: Var, i: int) -> Dim:
+        """x.shape[i]: the int when known, else Shape(x)[i] as a 1-element tensor (i < 0 counts from
+        the end, also when the rank is unknown)."""
+        s = x.shape
+        if s is not None:
+            if -len(s) <= i < len(s) and s[i] is not None:
+                return s[i]
+            if i < 0:
+                i += len(s)
+        return self.shape_of(x, i, i + 1 or None)
+
+    def dims(self, x: Var) -> list[Dim]:
+        """Every size of x (declines when its rank is unknown)."""
+        return [self.dim(x, i) for i in range(self.rank(x))]
+
+    @staticmethod
+    def static_dim(x: Var | None, i: int) -> int | None:
+        """x.shape[i] when it is known at build time, else None (also for an absent x)."""
+        s = None if x is None else x.shape
+        return None if s is None else s[i]
+
+    def vector(self, parts: Sequence[Dim]) -> Var:
+        """The 1-D int64 tensor of sizes ``parts``: one constant when all are static, else one Concat."""
+        groups: list[Var] = []
+        ints: list[int] = []
+        for p in parts:
+            if isinstance(p, Var):
+                if ints:
+                    groups.append(self.ints(ints))
+                    ints = []
+                groups.append(p)
+            else:
+                ints.append(int(p))
+        if ints or not groups:
+            groups.append(self.ints(ints))
+        return groups[0] if len(groups) == 1 else self.emit("Concat", groups, axis=0)
+
+    def prod(self, parts: Sequence[Dim]) -> Dim:
+        """The product of sizes, folded where static (an int when all are)."""
+        static = 1
+        dynamic = []
+        for p in parts:
+            if isinstance(p, Var):
+                dynamic.append(p)
+            else:
+                static *= int(p)
+        if not dynamic:
+            return static
+        out = dynamic[0]
+        for p in dynamic[1:]:
+            out = self.emit("Mul", [out, p])
+        return out if static == 1 else self.emit("Mul", [out, self.ints([static])])
+
+    def int_scalar(self, d: Dim) -> Var:
+        """A size as a 0-D int64 tensor (Range's operands, a bound that must not broadcast to [1])."""
+        if isinstance(d, Var):
+            return self.squeeze(d, [0])
+        return self.const(np.array(d, np.int64))
+
+    def arange(self, stop: Dim) -> Var:
+        """[0, 1, ..., stop - 1] as int64 (Range)."""
+        return self.emit("Range", [self.int_scalar(0), self.int_scalar(stop), self.int_scalar(1)])
 
     def name_as(self, value: Var, name: str) -> Var:
         """Make ``value`` available as the tensor ``name``: rename it on the node of this builder that made
@@ -418,8 +531,27 @@ class Builder:
             return self.emit("Reshape", [x, self.ints(like.shape)])
         return self.emit("Reshape", [x, self.shape_of(like)], allowzero=1 if self.opset >= 14 else None)
 
-    def unbroadcast(self, grad: Var, target: Var, source: "Var | Sequence[int | None] | None" = None) -> Var:
-        """Sum ``grad`` (shaped like ``source``: the broadcast result, or its shape) back to ``target``'s shape.
+    def with_shape(self, v: Var, shape: "Var | Sequence[int | None] | None") -> Var:
+        """Record that ``v`` has ``shape`` (another Var's, or dims with None where unknown): what a rule
+        knows that the builder could not derive. Dims already recorded stay; returns ``v``."""
+        info = self.infos.get(v.name)
+        have = None if info is None else info.shape
+        if have is not None and None not in have:
+            return v                                # the common case: already static
+        known = shape.shape if type(shape) is Var else shape
+        if known is None:
+            return v
+        if have is None:
+            merged = tuple(known)
+        elif len(have) != len(known):
+            return v
+        else:
+            merged = tuple(k if h is None else h for h, k in zip(have, known))
+        self.infos[v.name] = TensorInfo(None if info is None else info.dtype, merged)
+        return v
+
+    def unbroadcast(self, grad: Var, target: Var) -> Var:
+        """Sum ``grad`` (shaped like the broadcast result: its recorded shape) back to ``target``'s shape.
 
         Static shapes: ReduceSum over the broadcast axes, computed here, and a
         Reshape; nothing at all when the shapes already match. Unknown dims:
@@ -427,8 +559,7 @@ class Builder:
         ReduceSum with noop_with_empty_axes.
         """
         ts = target.shape
-        gs = source.shape if isinstance(source, Var) else source
-        gs = grad.shape if gs is None else tuple(gs)
+        gs = grad.shape
         if ts is not None and ts == gs and None not in ts:
             return grad                         # the common case: nothing was broadcast
         if ts is not None and gs is not None and len(gs) >= len(ts):

@@ -23,25 +23,36 @@ class UnusedError(OnnxGradError):
 
 
 class UnsupportedOpError(OnnxGradError):
-    """Some nodes on the path from ``wrt`` to the outputs have no gradient rule.
+    """Some nodes on the path from ``wrt`` to the outputs have no gradient rule, or a rule declines
+    the node's configuration (:meth:`rule_declines`).
 
-    ``ops`` maps every unsupported op type to the name of one node that uses it.
+    ``ops`` maps every unsupported op type to the name of one node that uses it; ``reasons`` says why
+    where it is known; ``declined`` is true when a rule exists and declined.
     """
 
-    def __init__(self, ops: dict[str, str], reason: dict[str, str] | None = None):
+    def __init__(self, ops: dict[str, str], reason: dict[str, str] | None = None, declined: bool = False):
         self.ops = dict(ops)
         self.reasons = dict(reason or {})
+        self.declined = declined
         reason = self.reasons
         parts = []
         for op, node in sorted(self.ops.items()):
             why = f" ({reason[op]})" if op in reason else ""
             parts.append(f"{op} (e.g. node '{node}'){why}")
+        if declined:
+            head = f"the {', '.join(sorted(self.ops))} rule declines this configuration: "
+        else:
+            head = f"no gradient rule for {len(parts)} op type(s) on the path to the outputs: "
         super().__init__(
-            f"no gradient rule for {len(parts)} op type(s) on the path to the outputs: "
-            + ", ".join(parts)
+            head + ", ".join(parts)
             + "; differentiate with respect to tensors after these nodes (wrt=...), "
             "or write a rule with onnxgrad.register_rule"
         )
+
+    @classmethod
+    def rule_declines(cls, op_type: str, node: str, reason: str) -> "UnsupportedOpError":
+        """A rule declines node ``node`` (of ``op_type``): ``reason`` says which configuration and why."""
+        return cls({op_type: node}, {op_type: reason}, declined=True)
 
 
 class RuleError(Exception):

@@ -45,7 +45,6 @@ import onnx.defs
 from onnx import helper
 
 from .builder import Builder, TensorInfo, Var
-from .errors import UnsupportedOpError
 
 Gradients = Sequence["Var | None"] | "Var | None"
 
@@ -213,6 +212,8 @@ class Node:
     ``n.dy``: gradient of the first output; ``n.dys[i]`` of output i (None when no gradient reaches it).
     ``n.needs(i)``: whether the pass wants the gradient of input i (rules may skip work otherwise).
     ``n.op``: emit any ai.onnx op, e.g. ``n.op.Conv(dy, w, strides=[2, 2])``.
+    ``n.b``: the builder, with the helper library (``b.rank(x)``, ``b.dim(x, i)``, ``b.zeros(shape, like)``...).
+    ``n.decline(reason)``: this configuration has no gradient here (an UnsupportedOpError saying why).
     ``n.outer_needed`` / ``n.outer_grads``: for If/Loop/Scan, the outer-scope tensors their bodies read
     that need a gradient, and the rule's gradients of them.
     """
@@ -228,6 +229,12 @@ class Node:
         self.inputs = [b.var(x) if x else None for x in proto.input]
         self.outputs = [b.var(y) if y else None for y in proto.output]
         self.dys = [_rebind(d, b) if d is not None else None for d in dys]  # bound to this node's builder
+        infos = b.infos
+        for d, y in zip(self.dys, self.outputs):
+            if type(d) is Var and y is not None:
+                info = infos.get(d.name)
+                if info is None or info.shape is None or None in info.shape:
+                    b.with_shape(d, y)              # the gradient of y has y's shape
         self._needed = needed
         self._attrs: dict[str, Any] | None = None        # decoded on first use: most rules read none
 
@@ -250,9 +257,12 @@ class Node:
         return i in self._needed
 
     def attr(self, name: str, default: Any = None) -> Any:
+        """Attribute ``name``'s value (``default`` when absent); strings, and lists of them, decoded."""
         v = self.attributes.get(name, default)
         if isinstance(v, bytes):
             return v.decode()
+        if isinstance(v, list) and v and isinstance(v[0], bytes):
+            return [s.decode() for s in v]
         return v
 
     def has_attr(self, name: str) -> bool:
@@ -277,9 +287,11 @@ class Node:
         value = self.const_value(i)
         return None if value is None else [int(v) for v in value.reshape(-1)]
 
-    def unsupported(self, reason: str):
-        """Decline: this node's configuration has no gradient here (raised as UnsupportedOpError)."""
-        raise UnsupportedOpError({self.proto.op_type: self.proto.name}, {self.proto.op_type: reason})
+    def decline(self, reason: str):
+        """This rule declines the node's configuration, saying why (:meth:`Builder.decline`)."""
+        self.b.decline(reason)
+
+    unsupported = decline       # the older name (rules/control.py, function_body.py still use it)
 
     def expose_output(self, i: int, hint: str, like: Var | None = None) -> Var:
         """Forward output i as a Var, naming it on the forward node if the model left it out.

@@ -1,9 +1,11 @@
 """The rule registry: rules by opset range, and registry.override."""
+import onnx
 import pytest
 
 import onnxgrad
 from harness import Case, case_model, randn, run_case
 from onnxgrad import registry
+from onnxgrad.builder import Builder, NameScope
 from onnxgrad.errors import UnsupportedOpError
 from onnxgrad.rules import normalization, spectral
 
@@ -49,3 +51,21 @@ def test_override_removes_a_rule():
         with pytest.raises(UnsupportedOpError, match="Tanh"):
             onnxgrad.grad(model, wrt=wrt, of=["y0"])
     onnxgrad.grad(model, wrt=wrt, of=["y0"])
+
+
+def test_a_rule_that_declines_says_so_and_why():
+    def declining(n):
+        n.decline("pretend this configuration is out of reach")
+
+    model, _, wrt = case_model(Case("Tanh", [randn(3, 4)]))
+    with registry.override("Tanh", declining):
+        with pytest.raises(UnsupportedOpError, match=r"the Tanh rule declines this configuration: .*Tanh_node.*"
+                                                     r"pretend this configuration") as e:
+            onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    assert e.value.declined and e.value.reasons == {"Tanh": "pretend this configuration is out of reach"}
+
+
+def test_attributes_of_strings_are_decoded_lists_included():
+    proto = onnx.helper.make_node("Foo", ["x"], ["y"], name="foo", one="a", many=["b", "c"], ints=[1, 2])
+    n = registry.Node(proto, Builder(17, NameScope(), {}), [None], set())
+    assert (n.attr("one"), n.attr("many"), n.attr("ints"), n.attr("absent", "z")) == ("a", ["b", "c"], [1, 2], "z")

@@ -29,7 +29,7 @@ def _softmax_axes(n: Node) -> list[int]:
     axis = n.attr("axis", 1)
     rank = n.inputs[0].rank
     if rank is None:
-        n.unsupported(f"{n.proto.op_type} before opset 13 needs the input's rank")
+        n.decline(f"{n.proto.op_type} before opset 13 needs the input's rank")
     axis = axis + rank if axis < 0 else axis
     return list(range(axis, rank))
 

@@ -19,18 +19,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from ..builder import FLOAT_TYPES, Var
+from ..builder import FLOAT_TYPES, INT64_MAX, Var, total
 from ..registry import Node, register
-
-_INT64_MAX = np.iinfo(np.int64).max
-
-
-def _plus(a: Var | None, b: Var | None) -> Var | None:
-    if a is None:
-        return b
-    return a if b is None else a + b
-
-
 
 
 def _t(n: Node, x: Var) -> Var:
@@ -44,7 +34,7 @@ class _Heads:
 
     def __init__(self, n: Node, hq: int, hk: int):
         if hq % hk:
-            n.unsupported(f"q_num_heads ({hq}) is not a multiple of kv_num_heads ({hk})")
+            n.decline(f"q_num_heads ({hq}) is not a multiple of kv_num_heads ({hk})")
         self.n, self.hq, self.hk = n, hq, hk
 
     def grouped(self, x: Var) -> Var:
@@ -79,10 +69,6 @@ def _positions(n: Node, x: Var, axis: int, length: int | None, shape: tuple) -> 
     end = n.b.squeeze(n.b.shape_of(x, axis, axis + 1), [0])
     r = n.op.Range(n.b.const(np.array(0, np.int64)), end, n.b.const(np.array(1, np.int64)))
     return n.op.Reshape(r, n.b.ints(shape))
-
-
-def _dim(v: Var | None, axis: int) -> int | None:
-    return None if v is None or v.shape is None else v.shape[axis]
 
 
 class _AttentionBias:
@@ -124,18 +110,18 @@ class _AttentionBias:
             terms.append(self.b.unsqueeze(n.op.Where(keep, zero, ninf), [1, 2]))
         self.bias = None
         for t in terms:
-            self.bias = _plus(self.bias, t)
+            self.bias = total(self.bias, t)
         # rows of -inf only are possible; the op makes their probabilities 0 (softmax would give NaN)
         self.may_mask_rows = mask is not None or nonpad is not None or left >= 0 or right >= 0
 
     def _pad_keys(self, m: Var, kc: Var, l_len: int | None, ninf: Var) -> Var:
         """A mask shorter than the keys is padded with -inf (the positions past it are masked)."""
-        m_len = _dim(self.mask, -1)
+        m_len = self.b.static_dim(self.mask, -1)
         if m_len is not None and m_len == l_len:
             return m
         rank = self.mask.rank
         if rank is None:
-            self.n.unsupported("the rank of attn_mask must be known")
+            self.n.decline("the rank of attn_mask must be known")
         if m_len is not None and l_len is not None:
             missing = self.b.ints([l_len - m_len])
         else:
@@ -150,8 +136,8 @@ class _AttentionBias:
             rank = self.mask.rank
             end = self.b.shape_of(self.mask, rank - 1, rank)
             dz = self.n.op.Slice(dz, self.b.ints([0]), end, self.b.ints([-1]))
-            scores_shape = (*scores_shape[:3], _dim(self.mask, -1))
-        return self.b.unbroadcast(dz, self.mask, source=scores_shape)
+            scores_shape = (*scores_shape[:3], self.b.static_dim(self.mask, -1))
+        return self.b.unbroadcast(self.b.with_shape(dz, scores_shape), self.mask)
 
     def probabilities(self, z: Var) -> Var:
         p = self.n.op.Softmax(z, axis=-1)
@@ -173,26 +159,27 @@ def attention(n: Node):
     """
     q, k, v = n.inputs[:3]
     if q.rank is None:
-        n.unsupported("the rank of Q must be known")
+        n.decline("the rank of Q must be known")
     packed = q.rank == 3
-    hq = n.attr("q_num_heads") if packed else _dim(q, 1)
-    hk = n.attr("kv_num_heads") if packed else _dim(k, 1)
+    hq = n.attr("q_num_heads") if packed else n.b.static_dim(q, 1)
+    hk = n.attr("kv_num_heads") if packed else n.b.static_dim(k, 1)
     if hq is None or hk is None:
-        n.unsupported("the numbers of query and key/value heads must be known")
+        n.decline("the numbers of query and key/value heads must be known")
     heads = _Heads(n, hq, hk)
     q4, k4, v4 = (_split_heads(n, x, h) for x, h in ((q, hq), (k, hk), (v, hk))) if packed else (q, k, v)
     past_k, past_v = n.input(4), n.input(5)
     kc = k4 if past_k is None else n.op.Concat(past_k, k4, axis=2)
     vc = v4 if past_v is None else n.op.Concat(past_v, v4, axis=2)
-    s_len = _dim(q, 1 if packed else 2)
-    new_len, past_len = _dim(k, 1 if packed else 2), 0 if past_k is None else _dim(past_k, 2)
+    s_len = n.b.static_dim(q, 1 if packed else 2)
+    new_len, past_len = n.b.static_dim(k, 1 if packed else 2), 0 if past_k is None else n.b.static_dim(past_k, 2)
     l_len = None if new_len is None or past_len is None else new_len + past_len
 
     scale = n.attr("scale")
     if scale is not None:
         scale = n.b.scalar(scale, q)
     else:
-        head = (_dim(q, 2) // hq if _dim(q, 2) is not None else None) if packed else _dim(q, 3)
+        width = n.b.static_dim(q, 2)
+        head = (width // hq if width is not None else None) if packed else n.b.static_dim(q, 3)
         if head is not None:
             scale = n.b.scalar(1.0 / np.sqrt(head), q)
         else:
@@ -213,7 +200,7 @@ def attention(n: Node):
     if reuse:
         p = p_wide = n.expose_output(3, "probabilities", like=q)
     else:
-        z = _plus(capped, bias.bias)
+        z = total(capped, bias.bias)
         p_wide = bias.probabilities(n.op.Cast(z, to=precision) if widen else z)
         p = n.op.Cast(p_wide, to=q.dtype) if widen else p_wide
 
@@ -222,41 +209,41 @@ def attention(n: Node):
         dy = _split_heads(n, dy, hq)
     dvc = heads.matmul_t(p, dy) if dy is not None else None             # [B, Hk, L, dv]
     dp = heads.matmul(dy, _t(n, vc)) if dy is not None else None
-    dp = _plus(dp, d_qk if mode == 3 else None)
+    dp = total(dp, d_qk if mode == 3 else None)
     dz = None
     if dp is not None:
         dp = n.op.Cast(dp, to=precision) if widen else dp
         dz = p_wide * (dp - n.b.sum(dp * p_wide, [-1], keepdims=True))
         dz = n.op.Cast(dz, to=q.dtype) if widen else dz
-    dz = _plus(dz, d_qk if mode == 2 else None)
-    dcap = _plus(dz, d_qk if mode == 1 else None)
+    dz = total(dz, d_qk if mode == 2 else None)
+    dcap = total(dz, d_qk if mode == 1 else None)
     if dcap is not None and softcap > 0:
         t = capped / softcap
         dcap = dcap * (1.0 - t * t)
-    du = _plus(dcap, d_qk if mode == 0 else None)
+    du = total(dcap, d_qk if mode == 0 else None)
     dus = None if du is None else du * scale
 
     grads: list[Var | None] = [None] * len(n.inputs)
     if dus is not None and n.needs(0):
         dq4 = heads.matmul(dus, kc)
         grads[0] = _merge_heads(n, dq4) if packed else dq4
-    dkc = _plus(heads.matmul_t(dus, q4) if dus is not None else None, n.dys[1] if len(n.dys) > 1 else None)
-    dvc = _plus(dvc, n.dys[2] if len(n.dys) > 2 else None)
-    for new, past, total in ((1, 4, dkc), (2, 5, dvc)):
-        if total is None:
+    dkc = total(heads.matmul_t(dus, q4) if dus is not None else None, n.dys[1] if len(n.dys) > 1 else None)
+    dvc = total(dvc, n.dys[2] if len(n.dys) > 2 else None)
+    for new, past, summed in ((1, 4, dkc), (2, 5, dvc)):
+        if summed is None:
             continue
         if past_k is None:
-            parts = (total, None)
+            parts = (summed, None)
         else:
             cut = n.b.shape_of(n.inputs[past], 2, 3)
-            parts = (n.op.Slice(total, cut, n.b.ints([_INT64_MAX]), n.b.ints([2])),
-                     n.op.Slice(total, n.b.ints([0]), cut, n.b.ints([2])))
+            parts = (n.op.Slice(summed, cut, n.b.ints([INT64_MAX]), n.b.ints([2])),
+                     n.op.Slice(summed, n.b.ints([0]), cut, n.b.ints([2])))
         if n.needs(new):
             grads[new] = _merge_heads(n, parts[0]) if packed else parts[0]
         if parts[1] is not None and n.needs(past):
             grads[past] = parts[1]
     if n.needs(3) and dz is not None and bias.mask is not None and bias.mask.dtype in FLOAT_TYPES:
-        grads[3] = bias.mask_grad(dz, (_dim(q, 0), hq, s_len, l_len))
+        grads[3] = bias.mask_grad(dz, (n.b.static_dim(q, 0), hq, s_len, l_len))
     return tuple(grads)
 
 
@@ -288,9 +275,9 @@ def rotary_embedding(n: Node):
     dx = n.op.RotaryEmbedding(n.dy, cos, -sin, pos, **attrs) if n.needs(0) else None
     if not (n.needs(1) or n.needs(2)):
         return dx, None, None
-    half = _dim(cos, -1) if _dim(cos, -1) is not None else _dim(sin, -1)
+    half = n.b.static_dim(cos, -1) if n.b.static_dim(cos, -1) is not None else n.b.static_dim(sin, -1)
     if half is None or x.rank is None:
-        n.unsupported("the rotary dimension (last dim of cos_cache) and the rank of X must be known")
+        n.decline("the rotary dimension (last dim of cos_cache) and the rank of X must be known")
     x1, x2 = _rotated_halves(n, x, 2 * half)
     d1, d2 = _rotated_halves(n, n.dy, 2 * half)
     grads = []
@@ -331,9 +318,9 @@ def causal_conv_with_state(n: Node):
     """
     x, w = n.inputs[:2]
     bias, past = n.input(2), n.input(3)
-    channels, k = _dim(w, 0), _dim(w, 2)
+    channels, k = n.b.static_dim(w, 0), n.b.static_dim(w, 2)
     if channels is None or k is None:
-        n.unsupported("the weight's shape (channels, 1, k) must be known")
+        n.decline("the weight's shape (channels, 1, k) must be known")
     if past is None:
         padded = n.op.Pad(x, n.b.ints([0, 0, k - 1, 0, 0, 0]))
     else:
@@ -349,10 +336,10 @@ def causal_conv_with_state(n: Node):
         dpadded = None if dc is None else n.op.ConvTranspose(dc, w, group=channels)
         if d_present is not None:                                        # the last k - 1 steps of X'
             length = n.b.shape_of(x, 2, 3)
-            dpadded = _plus(dpadded, n.op.Pad(d_present, n.op.Concat(n.b.ints([0, 0]), length,
+            dpadded = total(dpadded, n.op.Pad(d_present, n.op.Concat(n.b.ints([0, 0]), length,
                                                                       n.b.ints([0, 0, 0]), axis=0)))
         if n.needs(0):
-            dx = n.op.Slice(dpadded, n.b.ints([k - 1]), n.b.ints([_INT64_MAX]), n.b.ints([2]))
+            dx = n.op.Slice(dpadded, n.b.ints([k - 1]), n.b.ints([INT64_MAX]), n.b.ints([2]))
         if n.needs(3):
             dpast = n.op.Slice(dpadded, n.b.ints([0]), n.b.ints([k - 1]), n.b.ints([2]))
     if dc is not None and n.needs(1):
@@ -383,9 +370,9 @@ def linear_attention(n: Node):
     rule = n.attr("update_rule", "gated_delta")
     gated, delta = rule in ("gated", "gated_delta"), rule in ("delta", "gated_delta")
     hq, hk = n.attr("q_num_heads"), n.attr("kv_num_heads")
-    T, qh, vh = _dim(q, 1), _dim(q, 2), _dim(v, 2)
+    T, qh, vh = n.b.static_dim(q, 1), n.b.static_dim(q, 2), n.b.static_dim(v, 2)
     if None in (T, qh, vh):
-        n.unsupported("the sequence length and the hidden sizes of query and value must be known "
+        n.decline("the sequence length and the hidden sizes of query and value must be known "
                       "(the backward through time is unrolled over the sequence)")
     dk, dv = qh // hq, vh // hk
     heads = _Heads(n, hq, hk)
@@ -401,11 +388,11 @@ def linear_attention(n: Node):
 
     q_s, k_s, v_s = per_step(q, hq), per_step(k, hk), per_step(v, hk)
     g_s = per_step(decay, hk)                                   # [B, Hk, 1, dk | 1]
-    per_key = gated and _dim(decay, 2) == hk * dk
+    per_key = gated and n.b.static_dim(decay, 2) == hk * dk
     a_s = [None if g is None else op.Exp(_t(n, g) if per_key else g) for g in g_s]   # columns scaling S's rows
-    beta_heads = _dim(beta, 2) if beta is not None else 1
+    beta_heads = n.b.static_dim(beta, 2) if beta is not None else 1
     if beta is not None and beta_heads is None:
-        n.unsupported("the last dim of beta must be known")
+        n.decline("the last dim of beta must be known")
     beta_s = per_step(beta, beta_heads)                         # [B, Hk | 1, 1, 1]
 
     # the forward once more: the state before and after each step
@@ -428,7 +415,7 @@ def linear_attention(n: Node):
     for t in reversed(range(T)):
         ds = carry
         if do_s[t] is not None:
-            ds = _plus(ds, heads.matmul_t(q_s[t], do_s[t]) * scale)              # [B, Hk, dk, dv]
+            ds = total(ds, heads.matmul_t(q_s[t], do_s[t]) * scale)              # [B, Hk, dk, dv]
             dq[t] = heads.matmul(do_s[t], _t(n, after[t])) * scale               # [B, Hq, 1, dk]
         if ds is None:                                                           # nothing reaches step t
             continue

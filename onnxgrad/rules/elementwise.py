@@ -334,14 +334,14 @@ def dequantize_linear(n):
         return (None, n.b.reshape_like(n.b.sum(prod, None, keepdims=False), scale), None)
     rank = x.rank
     if rank is None:
-        n.unsupported("DequantizeLinear with a per-axis or blocked scale needs the rank of x")
+        n.decline("DequantizeLinear with a per-axis or blocked scale needs the rank of x")
     axis = n.attr("axis", 1) % rank
     block = n.attr("block_size", 0)
     if not block:                                       # per axis: scale is [x.shape[axis]]
         return (None, n.b.sum(prod, [k for k in range(rank) if k != axis], keepdims=False), None)
     size = x.shape[axis] if x.shape is not None else None
     if size is None or size % block:
-        n.unsupported("DequantizeLinear with blocks needs x's size along axis known and a multiple of block_size")
+        n.decline("DequantizeLinear with blocks needs x's size along axis known and a multiple of block_size")
     split = n.b.ints([size // block, block])
     if x.info.static:
         dims = n.b.ints(list(x.shape[:axis]) + [size // block, block] + list(x.shape[axis + 1:]))

@@ -11,7 +11,7 @@ import string
 from typing import Sequence
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto
 
 from ..builder import Var
 from ..registry import Node, register
@@ -48,7 +48,7 @@ def matmul(n: Node):
     a, b = n.inputs
     ra, rb = a.rank, b.rank
     if ra is None or rb is None:
-        n.unsupported("MatMul gradient needs the ranks of both operands (run shape inference)")
+        n.decline("MatMul gradient needs the ranks of both operands (run shape inference)")
     dy = n.dy
     if ra == 1 and rb == 1:                                   # y = a . b
         return (dy * b if n.needs(0) else None), (dy * a if n.needs(1) else None)
@@ -74,7 +74,7 @@ def _matmul_grad_a(n: Node, a: Var, b: Var, dy: Var) -> Var:
     da = n.op.MatMul(dy, _swap_last(n, b))
     if b.rank == 2:
         return da                                             # A's batch dims are Y's
-    return n.b.unbroadcast(da, a, source=_batch_dims(n) + tuple(a.shape[-2:]))
+    return n.b.unbroadcast(n.b.with_shape(da, _batch_dims(n) + tuple(a.shape[-2:])), a)
 
 
 def _matmul_grad_b(n: Node, a: Var, b: Var, dy: Var) -> Var:
@@ -88,7 +88,7 @@ def _matmul_grad_b(n: Node, a: Var, b: Var, dy: Var) -> Var:
         db = _gemm(n, rows_a, rows_dy, transA=1)                  # [k, n]
         return db if b.rank == 2 else n.b.reshape_like(db, b)
     db = n.op.MatMul(_swap_last(n, a), dy)
-    return n.b.unbroadcast(db, b, source=_batch_dims(n) + tuple(b.shape[-2:]))
+    return n.b.unbroadcast(n.b.with_shape(db, _batch_dims(n) + tuple(b.shape[-2:])), b)
 
 
 def _matmul_vector_times_matrix(n: Node, a: Var, b: Var, dy: Var):
@@ -165,7 +165,7 @@ def gemm(n: Node):
         else:        # dB = (alpha A'^T dY)^T = alpha dY^T A'
             db = _gemm(n, dy, a, alpha=scale, transA=1, transB=ta)
     if c is not None and n.needs(2):
-        dc = n.b.unbroadcast(dy, c, source=n.outputs[0])
+        dc = n.b.unbroadcast(dy, c)
         if beta != 1.0:
             dc = dc * beta
     return (da, db, dc)[:len(n.inputs)]
@@ -183,7 +183,7 @@ def einsum(n: Node):
     """
     ranks = [x.rank if x is not None else None for x in n.inputs]
     if any(r is None for r in ranks):
-        n.unsupported("Einsum gradient needs the ranks of all operands (run shape inference)")
+        n.decline("Einsum gradient needs the ranks of all operands (run shape inference)")
     terms, out = _einsum_terms(n, n.attr("equation"), ranks)
     return tuple(_einsum_operand_grad(n, i, terms, out) if n.needs(i) else None
                  for i in range(len(n.inputs)))
@@ -195,13 +195,13 @@ def _einsum_terms(n: Node, equation: str, ranks: Sequence[int]) -> tuple[list[st
     lhs, arrow, rhs = eq.partition("->")
     raw = lhs.split(",")
     if len(raw) != len(ranks):
-        n.unsupported(f"Einsum equation '{equation}' names {len(raw)} operands, the node has {len(ranks)}")
+        n.decline(f"Einsum equation '{equation}' names {len(raw)} operands, the node has {len(ranks)}")
     used = set(eq) - set(".,->")
     fresh = [c for c in string.ascii_letters if c not in used]
     ell_ranks = [r - (len(t) - 3) if "..." in t else 0 for t, r in zip(raw, ranks)]
     width = max(ell_ranks, default=0)
     if width > len(fresh):
-        n.unsupported("Einsum: not enough free subscript letters to spell out the ellipsis")
+        n.decline("Einsum: not enough free subscript letters to spell out the ellipsis")
     ell = "".join(fresh[:width])
     terms = [t.replace("...", ell[width - e:]) for t, e in zip(raw, ell_ranks)]
     if arrow:
@@ -222,7 +222,7 @@ def _einsum_operand_grad(n: Node, i: int, terms: list[str], out: str) -> Var:
     for pos, c in enumerate(term):
         if c in term[:pos]:
             if not spare:
-                n.unsupported("Einsum: not enough free subscript letters for the diagonal")
+                n.decline("Einsum: not enough free subscript letters for the diagonal")
             new = spare.pop(0)
             eyes.append((c + new, _eye(n, x, pos)))
             target.append(new)
@@ -251,17 +251,7 @@ def _eye(n: Node, x: Var, pos: int) -> Var:
     else:
         dim = n.b.shape_of(x, pos, pos + 1)
         square = n.op.Concat(dim, dim, axis=0)
-    return n.op.EyeLike(_zeros_of_shape(n, square, x))
-
-
-def _zeros_of_shape(n: Node, shape: Var, like: Var) -> Var:
-    """ConstantOfShape(shape) of like's type."""
-    if like.dtype is not None:
-        value = np.zeros(1, helper.tensor_dtype_to_np_dtype(like.dtype))
-        return n.op.ConstantOfShape(shape, value=numpy_helper.from_array(value))
-    return n.b.cast_like(n.op.ConstantOfShape(shape), like)
-
-
+    return n.op.EyeLike(n.b.zeros(square, x))
 
 
 def _shape(n: Node, x: Var) -> Var:

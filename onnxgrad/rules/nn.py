@@ -25,12 +25,12 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+from onnx import TensorProto
 
-from ..builder import Var
+from ..builder import INT64_MAX, Var
 from ..registry import register
 
 _SAME = ("SAME_UPPER", "SAME_LOWER")
-_INT64_MAX = int(np.iinfo(np.int64).max)
 
 
 # -- window geometry ----------------------------------------------------------------------
@@ -89,7 +89,7 @@ def _kernel(n, w: Var | None = None) -> list[int]:
         return list(ks)
     if w is not None and w.shape is not None and None not in w.shape[2:]:
         return list(w.shape[2:])
-    n.unsupported("the kernel's spatial shape is unknown (no kernel_shape attribute and W's shape is not inferred)")
+    n.decline("the kernel's spatial shape is unknown (no kernel_shape attribute and W's shape is not inferred)")
 
 
 def _geometry(n, x: Var, kernel: list[int], ceil_mode: int = 0) -> _Geo:
@@ -171,7 +171,7 @@ def _window_transpose(n, dy: Var, w: Var, x: Var, geo: _Geo, group: int = 1) -> 
                                                geo.dilations, geo.begin):
             surplus = s * (out - 1) + extent - pb - size     # ConvTranspose's natural length minus x's
             if -surplus >= max(s, d):
-                n.unsupported("the windows leave more than a stride of the input unread")
+                n.decline("the windows leave more than a stride of the input unread")
             end.append(max(surplus, 0))
             output_padding.append(max(-surplus, 0))
         return n.op.ConvTranspose(dy, w, strides=geo.strides, dilations=geo.dilations, group=group_attr,
@@ -247,7 +247,7 @@ def _conv_transpose_geometry(n, x: Var, kernel: list[int]) -> _Geo:
         natural = None if size is None else (size - 1) * s + op + extent
         if output_shape:
             if size is None:
-                n.unsupported("ConvTranspose with output_shape needs known spatial dims")
+                n.decline("ConvTranspose with output_shape needs known spatial dims")
             target = list(output_shape)[-rank:][i]
             total = max(0, natural - target)
         elif auto_pad in _SAME:
@@ -269,16 +269,6 @@ def _conv_transpose_geometry(n, x: Var, kernel: list[int]) -> _Geo:
             end.append(max(0, pe - op))
         out_dims.append(target)
     return _Geo(kernel, strides, dilations, begin, end, out_dims, dims, auto_pad)
-
-
-def _i64(n, value: int) -> Var:
-    """An int64 scalar constant (Range bounds, Where fillers)."""
-    return n.b.const(np.array(value, np.int64))
-
-
-def _range(n, stop: Var) -> Var:
-    """0, 1, ..., stop - 1 for an int64 scalar stop."""
-    return n.op.Range(_i64(n, 0), stop, _i64(n, 1))
 
 
 def _spatial_shape(n, v: Var, dims: list[int | None]) -> Var:
@@ -473,7 +463,7 @@ def _scatter_add(n, dy: Var, indices: Var, x: Var, phases: list[int]) -> Var:
                                    reduction="add")
     else:
         rank = len(phases)
-        axes, steps, ends = b.ints(range(2, 2 + rank)), b.ints(phases), b.ints([_INT64_MAX] * rank)
+        axes, steps, ends = b.ints(range(2, 2 + rank)), b.ints(phases), b.ints([INT64_MAX] * rank)
         for start in itertools.product(*[range(t) for t in phases]):
             starts = b.ints(start)
             where = n.op.Reshape(n.op.Slice(indices, starts, ends, axes, steps), flat)
@@ -503,7 +493,7 @@ def global_max_pool(n):
     mask = n.b.cast_like(n.op.Equal(x, y), x)
     axes = list(range(2, x.rank)) if x.rank is not None else None
     if axes is None:
-        n.unsupported("GlobalMaxPool needs the input's rank")
+        n.decline("GlobalMaxPool needs the input's rank")
     return (mask * (n.dy / n.b.sum(mask, axes, keepdims=True)),)
 
 
@@ -529,7 +519,7 @@ def col2im(n):
         eye = n.b.const_like(np.eye(taps).reshape(taps, 1, *block), x)
     else:       # the same identity kernel made at run time: EyeLike of a [taps, taps] fill, reshaped
         taps = b.reduce("ReduceProd", n.inputs[2], None)                                 # [1]
-        square = b.cast_like(n.op.ConstantOfShape(n.op.Concat(taps, taps, axis=0)), x)
+        square = b.zeros(n.op.Concat(taps, taps, axis=0), x)
         eye = n.op.Reshape(n.op.EyeLike(square), n.op.Concat(taps, b.ints([1]), n.inputs[2], axis=0))
     image = n.const_ints(1)
     image = b.ints(image) if image is not None else n.input(1)
@@ -567,7 +557,7 @@ def lrn(n):
     x, y = n.inputs[0], n.outputs[0]
     rank = x.rank
     if rank is None:
-        n.unsupported("LRN needs the input's rank")
+        n.decline("LRN needs the input's rank")
     size = n.attr("size")
     alpha, beta, bias = n.attr("alpha", 1e-4), n.attr("beta", 0.75), n.attr("bias", 1.0)
     before, after = (size - 1) // 2, size - 1 - (size - 1) // 2
@@ -599,9 +589,9 @@ def _roi_axis_weights(n, x: Var, rois: Var, axis: int, out: int) -> Var:
         steps = b.ints([ratio])
     else:   # adaptive: ceil(length / out) samples (at least 1), as many as the largest RoI needs
         grid = n.op.Max(n.op.Ceil(length / float(out)), n.b.const_like(np.asarray(1.0), x))
-        steps = n.op.Cast(b.reduce("ReduceMax", grid, None, keepdims=False), to=7)
+        steps = n.op.Cast(b.reduce("ReduceMax", grid, None, keepdims=False), to=TensorProto.INT64)
         steps = b.unsqueeze(steps, [0])
-    k = n.b.cast_like(_range(n, b.squeeze(steps, [0])), x)                                 # [G]
+    k = n.b.cast_like(b.arange(steps), x)                                                   # [G]
     i = n.b.const_like(np.arange(out).reshape(1, out, 1), x)
     start, bin_size = b.unsqueeze(start, [2]), b.unsqueeze(bin_size, [2])               # [R, 1, 1]
     if ratio <= 0:
@@ -613,7 +603,7 @@ def _roi_axis_weights(n, x: Var, rois: Var, axis: int, out: int) -> Var:
                                n.op.LessOrEqual(pos, size_f)),
                       n.op.Less(k, grid))
     clipped = n.op.Clip(pos, n.b.const_like(np.asarray(0.0), x), size_f - 1.0)
-    rows = n.b.cast_like(_range(n, size), x)                                               # [size]
+    rows = n.b.cast_like(n.op.Range(b.int_scalar(0), size, b.int_scalar(1)), x)    # [size]
     tent = n.op.Relu(1.0 - n.op.Abs(b.unsqueeze(clipped, [3]) - rows))                   # [R, out, G, size]
     tent = tent * b.unsqueeze(n.b.cast_like(inside, x), [3])
     return b.sum(tent, [2], keepdims=False) / grid                                       # [R, out, size]
@@ -626,14 +616,14 @@ def roi_align(n):
     dx[b] = sum_{r: b_r = b} ay[r]^T dy[r] ax[r]
     """
     if n.attr("mode", "avg") != "avg":
-        n.unsupported("RoiAlign mode='max' below opset 16 (its gradient scatters with ScatterElements 'add', opset 16)")
+        n.decline("RoiAlign mode='max' below opset 16 (its gradient scatters with ScatterElements 'add', opset 16)")
     x, rois, batch = n.inputs
     b = n.b
     ay = _roi_axis_weights(n, x, rois, 0, n.attr("output_height", 1))                    # [R, oh, H]
     ax = _roi_axis_weights(n, x, rois, 1, n.attr("output_width", 1))                     # [R, ow, W]
     t = n.op.MatMul(n.dy, b.unsqueeze(ax, [1]))                                           # [R, C, oh, W]
     # sum over RoIs and their rows at once: [N, H, R*oh] @ [R*oh, C*W]
-    images = _range(n, b.squeeze(b.shape_of(x, 0, 1), [0]))                                # [N]
+    images = b.arange(b.shape_of(x, 0, 1))                                                  # [N]
     onehot = n.b.cast_like(n.op.Equal(b.unsqueeze(images, [1]), b.unsqueeze(batch, [0])), x)  # [N, R]
     k = b.unsqueeze(onehot, [2, 3]) * b.unsqueeze(ay, [0])                                # [N, R, oh, H]
     k = n.op.Reshape(k, n.op.Concat(b.ints([0, -1]), b.shape_of(x, 2, 3), axis=0))     # [N, R*oh, H]
@@ -669,7 +659,7 @@ def _roi_bins(n, x: Var, rois: Var, axis: int, pooled: int) -> tuple[Var, Var]:
     last = n.op.Slice(edges, b.ints([1]), b.ints([pooled + 1]), b.ints([1]))
     lo = n.op.Min(n.op.Max(n.op.Floor(first) + start, zero), size)
     hi = n.op.Min(n.op.Max(n.op.Ceil(last) + start, zero), size)
-    return n.op.Cast(lo, to=7), n.op.Cast(hi, to=7)
+    return n.op.Cast(lo, to=TensorProto.INT64), n.op.Cast(hi, to=TensorProto.INT64)
 
 
 @register("MaxRoiPool")
@@ -679,7 +669,7 @@ def max_roi_pool(n):
     candidates, gathered up to the largest bin's size.
     """
     if n.opset < 16:
-        n.unsupported("MaxRoiPool below opset 16 (RoIs may overlap: the gradient needs ScatterElements "
+        n.decline("MaxRoiPool below opset 16 (RoIs may overlap: the gradient needs ScatterElements "
                       "with reduction 'add')")
     x, rois = n.inputs[0], n.inputs[1]
     b = n.b
@@ -688,9 +678,9 @@ def max_roi_pool(n):
     w_lo, w_hi = _roi_bins(n, x, rois, 1, pw)                                          # [R, pw]
     span_h = b.reduce("ReduceMax", h_hi - h_lo, None, keepdims=False)
     span_w = b.reduce("ReduceMax", w_hi - w_lo, None, keepdims=False)
-    span_h, span_w = n.op.Max(span_h, _i64(n, 1)), n.op.Max(span_w, _i64(n, 1))
-    rows = b.unsqueeze(h_lo, [2]) + _range(n, span_h)                                  # [R, ph, Mh]
-    cols = b.unsqueeze(w_lo, [2]) + _range(n, span_w)                                  # [R, pw, Mw]
+    span_h, span_w = n.op.Max(span_h, n.b.int_scalar(1)), n.op.Max(span_w, n.b.int_scalar(1))
+    rows = b.unsqueeze(h_lo, [2]) + n.op.Range(b.int_scalar(0), span_h, b.int_scalar(1))  # [R, ph, Mh]
+    cols = b.unsqueeze(w_lo, [2]) + n.op.Range(b.int_scalar(0), span_w, b.int_scalar(1))  # [R, pw, Mw]
     row_ok = n.op.Less(rows, b.unsqueeze(h_hi, [2]))
     col_ok = n.op.Less(cols, b.unsqueeze(w_hi, [2]))
     shape = b.shape_of(x)
@@ -698,8 +688,8 @@ def max_roi_pool(n):
     # candidates [R, ph, pw, Mh, Mw]: flat spatial position, and whether inside the bin
     pos = b.unsqueeze(rows * width, [2, 4]) + b.unsqueeze(cols, [1, 3])
     ok = n.op.And(b.unsqueeze(row_ok, [2, 4]), b.unsqueeze(col_ok, [1, 3]))
-    pos = n.op.Where(ok, pos, _i64(n, 0))
-    image = n.op.Cast(n.op.Gather(rois, b.ints([0]), axis=1), to=7)                   # [R, 1]
+    pos = n.op.Where(ok, pos, n.b.int_scalar(0))
+    image = n.op.Cast(n.op.Gather(rois, b.ints([0]), axis=1), to=TensorProto.INT64)                   # [R, 1]
     pos = n.op.Reshape(pos, b.ints([0, -1]))                                           # [R, P]
     where = n.op.Concat(b.unsqueeze(n.op.Expand(image, n.op.Shape(pos)), [2]), b.unsqueeze(pos, [2]),
                         axis=2)                                                        # [R, P, 2]
@@ -713,12 +703,12 @@ def max_roi_pool(n):
     best_row = n.op.Reshape(h_lo, b.ints([0, ph, 1, 1])) + n.op.Div(best, span_w)
     best_col = n.op.Reshape(w_lo, b.ints([0, 1, pw, 1])) + n.op.Mod(best, span_w)
     channels = n.op.Gather(shape, b.ints([1]))
-    channel = _range(n, b.squeeze(channels, [0]))                                      # [C]
+    channel = b.arange(channels)                                                        # [C]
     plane = b.unsqueeze(image, [2, 3]) * channels + channel                            # [R, 1, 1, C]
     index = (plane * height + best_row) * width + best_col                             # [R, ph, pw, C]
     empty = n.op.Or(n.op.Reshape(n.op.LessOrEqual(h_hi, h_lo), b.ints([0, ph, 1, 1])),
                     n.op.Reshape(n.op.LessOrEqual(w_hi, w_lo), b.ints([0, 1, pw, 1])))
-    index = n.op.Where(empty, _i64(n, 0), index)
+    index = n.op.Where(empty, n.b.int_scalar(0), index)
     grads = n.op.Where(empty, n.b.const_like(np.asarray(0.0), x), n.op.Transpose(n.dy, perm=[0, 2, 3, 1]))
     flat = b.ints([-1])
     acc = n.op.Reshape(b.zeros_like(x), flat)
@@ -757,7 +747,7 @@ def _deform_taps(n, x: Var, offset: Var, geo: _Geo, offset_group: int) -> tuple[
                           n.op.And(n.op.GreaterOrEqual(col, zero), n.op.LessOrEqual(col, last_col)))
         inside = n.b.cast_like(inside, x)
         row, col = n.op.Clip(row, zero, last_row), n.op.Clip(col, zero, last_col)
-        index.append(n.op.Cast(row * float(width) + col, to=7))
+        index.append(n.op.Cast(row * float(width) + col, to=TensorProto.INT64))
         weight.append(wy * wx * inside)
         d_y.append((wx if high_y else -wx) * inside)
         d_x.append((wy if high_x else -wy) * inside)
@@ -775,7 +765,7 @@ def deform_conv(n):
     b = n.b
     kernel = _kernel(n, w)
     if x.shape is None or len(x.shape) != 4 or None in x.shape[1:] or len(kernel) != 2:
-        n.unsupported("DeformConv gradients are implemented for 2-D inputs with known channels and spatial dims")
+        n.decline("DeformConv gradients are implemented for 2-D inputs with known channels and spatial dims")
     channels, height, width = x.shape[1:]
     group, offset_group = n.attr("group", 1), n.attr("offset_group", 1)
     geo = _geometry(n, x, kernel)

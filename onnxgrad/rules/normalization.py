@@ -24,16 +24,6 @@ _HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
 
 
 # -- helpers ------------------------------------------------------------------------------
-def _rank(n: Node, x: Var) -> int:
-    if x.rank is None:
-        n.unsupported(f"{n.proto.op_type} needs the rank of its input to be known")
-    return x.rank
-
-
-def _axis(n: Node, axis: int, rank: int) -> int:
-    return axis + rank if axis < 0 else axis
-
-
 def _mean(n: Node, x: Var, axes: Sequence[int]) -> Var:
     return n.b.reduce("ReduceMean", x, list(axes), keepdims=True)
 
@@ -160,8 +150,8 @@ def layer_normalization(n):
     """
     x, scale = n.inputs[0], n.inputs[1]
     bias = n.input(2)
-    rank = _rank(n, x)
-    axes = list(range(_axis(n, n.attr("axis", -1), rank), rank))
+    rank = n.b.rank(x)
+    axes = list(range(n.b.normalize_axis(n.attr("axis", -1), rank), rank))
     stash_type = n.attr("stash_type", 1)
     compute, back = _stash(x, stash_type)
     dy, dmean, dinv = (n.dys + [None, None, None])[:3]
@@ -185,9 +175,9 @@ def layer_normalization(n):
         dx = terms[0] if len(terms) == 1 else terms[0] + terms[1]
         dx = _cast(n, dx, back)
     if dy is not None and n.needs(1):
-        dscale = n.b.unbroadcast(_cast(n, dys * xhat, back), scale, source=x)
+        dscale = n.b.unbroadcast(n.b.with_shape(_cast(n, dys * xhat, back), x), scale)
     if dy is not None and bias is not None and n.needs(2):
-        dB = n.b.unbroadcast(dy, bias, source=x)
+        dB = n.b.unbroadcast(dy, bias)
     return (dx, dscale, dB)[:len(n.inputs)]
 
 
@@ -198,8 +188,8 @@ def rms_normalization(n):
     dscale = sum(dy * xhat)    dx = r * (g - xhat * mean(g * xhat)),  g = dy * scale
     """
     x, scale = n.inputs[:2]
-    rank = _rank(n, x)
-    axes = list(range(_axis(n, n.attr("axis", -1), rank), rank))
+    rank = n.b.rank(x)
+    axes = list(range(n.b.normalize_axis(n.attr("axis", -1), rank), rank))
     compute, back = _stash(x, n.attr("stash_type", 1))
     xs, dys = _cast(n, x, compute), _cast(n, n.dy, compute)
     r = 1.0 / n.op.Sqrt(_mean(n, xs * xs, axes) + n.attr("epsilon", 1e-5))
@@ -209,7 +199,7 @@ def rms_normalization(n):
         g = dys * _cast(n, scale, compute)
         dx = _cast(n, r * (g - xhat * _mean(n, g * xhat, axes)), back)
     if n.needs(1):
-        dscale = n.b.unbroadcast(_cast(n, dys * xhat, back), scale, source=x)
+        dscale = n.b.unbroadcast(n.b.with_shape(_cast(n, dys * xhat, back), x), scale)
     return dx, dscale
 
 
@@ -222,9 +212,9 @@ def instance_normalization(n):
     """
     x, scale, _ = n.inputs
     dy = n.dy
-    rank = _rank(n, x)
+    rank = n.b.rank(x)
     if rank < 3:
-        n.unsupported("InstanceNormalization of a tensor without spatial axes")
+        n.decline("InstanceNormalization of a tensor without spatial axes")
     spatial = list(range(2, rank))
     xhat, inv = _moments(n, x, spatial, n.attr("epsilon", 1e-5))
     dx = _standardize_grad(n, dy * _per_channel(n, scale, rank), xhat, inv, spatial) if n.needs(0) else None
@@ -241,7 +231,7 @@ def group_normalization(n):
     dbias = sum(dy)   dscale = sum(dy * xhat)   dx = inv * (g - mean(g) - xhat * mean(g * xhat)),  g = dy * scale
     """
     x, scale, _ = n.inputs
-    rank = _rank(n, x)
+    rank = n.b.rank(x)
     groups = n.attr("num_groups")
     compute, back = _stash(x, n.attr("stash_type", 1)) if n.opset >= 21 else (None, None)
     grouped = n.b.ints([0, groups, -1])
@@ -278,8 +268,8 @@ def mean_variance_normalization(n):
     x = n.inputs[0]
     y = n.outputs[0]
     dy = n.dy
-    rank = _rank(n, x)
-    axes = [_axis(n, a, rank) for a in n.attr("axes", [0, 2, 3])]
+    rank = n.b.rank(x)
+    axes = [n.b.normalize_axis(a, rank) for a in n.attr("axes", [0, 2, 3])]
     xc = x - _mean(n, x, axes)
     sd = n.op.Sqrt(_mean(n, xc * xc, axes))
     s = sd + _MVN_EPSILON
@@ -297,7 +287,7 @@ def lp_normalization(n):
     p = n.attr("p", 2)
     axis = n.attr("axis", -1)
     if p not in (1, 2):
-        n.unsupported(f"LpNormalization with p={p} (the schema allows 1 and 2)")
+        n.decline(f"LpNormalization with p={p} (the schema allows 1 and 2)")
     norm = n.b.reduce("ReduceL2" if p == 2 else "ReduceL1", x, [axis], keepdims=True)
     g = y if p == 2 else n.op.Sign(x)
     return ((n.dy - g * n.b.sum(n.dy * y, [axis])) / norm,)

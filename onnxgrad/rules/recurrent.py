@@ -24,8 +24,9 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
+from onnx import TensorProto
 
-from ..builder import Var
+from ..builder import Var, total
 from ..registry import Node, register
 
 # Activations whose alpha / beta the spec makes optional, and their defaults (those of the ONNX ops).
@@ -114,19 +115,19 @@ def _activations(n: Node, defaults: Sequence[str], directions: int) -> list[list
     elif len(names) == len(defaults) and directions == 2:
         names = names * 2
     if len(names) != len(defaults) * directions:
-        n.unsupported(f"expected {len(defaults) * directions} activations, got {len(names)}")
+        n.decline(f"expected {len(defaults) * directions} activations, got {len(names)}")
     alphas, betas = list(n.attr("activation_alpha") or []), list(n.attr("activation_beta") or [])
     acts = []
     for name in names:
         key = name.lower()
         if key not in _USES:
-            n.unsupported(f"unknown activation '{name}'")
+            n.decline(f"unknown activation '{name}'")
         uses_alpha, uses_beta = _USES[key]
         default_alpha, default_beta = _DEFAULTS.get(key, (None, None))
         alpha = alphas.pop(0) if uses_alpha and alphas else default_alpha
         beta = betas.pop(0) if uses_beta and betas else default_beta
         if (uses_alpha and alpha is None) or (uses_beta and beta is None):
-            n.unsupported(f"activation '{name}' needs activation_alpha/activation_beta given explicitly")
+            n.decline(f"activation '{name}' needs activation_alpha/activation_beta given explicitly")
         acts.append(_Act(key, alpha, beta))
     k = len(defaults)
     return [acts[d * k:(d + 1) * k] for d in range(directions)]
@@ -147,19 +148,19 @@ class _Recurrence:
         self.gates = gates
         direction = n.attr("direction", "forward")
         if direction not in ("forward", "reverse", "bidirectional"):
-            n.unsupported(f"unknown direction '{direction}'")
+            n.decline(f"unknown direction '{direction}'")
         self.reverse = [False, True] if direction == "bidirectional" else [direction == "reverse"]
         self.D = len(self.reverse)
         self.layout = n.attr("layout", 0)
         x, r = n.inputs[0], n.inputs[2]
         seq_axis = 1 if self.layout else 0
         if x.shape is None or x.shape[seq_axis] is None:
-            n.unsupported("the sequence length must be known when the gradient is built "
+            n.decline("the sequence length must be known when the gradient is built "
                           "(the backward through time is unrolled over it)")
         self.T = int(x.shape[seq_axis])
         hidden = n.attr("hidden_size") or (r.shape[-1] if r.shape is not None else None)
         if hidden is None:
-            n.unsupported("hidden_size is unknown")
+            n.decline("hidden_size is unknown")
         self.H = int(hidden)
         self.acts = _activations(n, default_acts, self.D)
         clip = n.attr("clip")
@@ -214,7 +215,7 @@ class _Recurrence:
         known = None if seq_lens is None else self.n.const_ints(4)
         if seq_lens is None or (known is not None and all(k == self.T for k in known)):
             return
-        self._lens = self.b.unsqueeze(self.op.Cast(seq_lens, to=7), [0])               # [1, B] int64
+        self._lens = self.b.unsqueeze(self.op.Cast(seq_lens, to=TensorProto.INT64), [0])               # [1, B] int64
         steps = self.b.const(np.arange(self.T, dtype=np.int64).reshape(self.T, 1))
         within = self.b.unsqueeze(self.op.Less(steps, self._lens), [2])                 # [T, B, 1]
         self.mask = self.op.Where(within, self.b.scalar(1.0, self.x), self.b.scalar(0.0, self.x))
@@ -341,15 +342,9 @@ class _Recurrence:
         return parts[0] if len(parts) == 1 else self.op.Concat(*parts, axis=0)
 
 
-def _plus(a: Var | None, b: Var | None) -> Var | None:
-    if a is None:
-        return b
-    return a if b is None else a + b
-
-
 def _seed_at(t: int, carry: Var | None, dy: list[Var] | None) -> Var:
     """dL/dH_t: what flows back from later steps plus Y_t's own seed."""
-    return _plus(carry, None if dy is None else dy[t])
+    return total(carry, None if dy is None else dy[t])
 
 
 def _masked(rec: _Recurrence, t: int, g: Var | None) -> tuple[Var | None, Var | None]:
@@ -384,7 +379,7 @@ def rnn(n: Node):
         for t in reversed(rec.order(d)):
             dh, passed = _masked(rec, t, _seed_at(t, carry, dy))
             da[t] = dh * fprime[t]
-            carry = _plus(n.op.MatMul(da[t], rec.r[d]), passed)
+            carry = total(n.op.MatMul(da[t], rec.r[d]), passed)
         da3 = rec.stack(da)
         da2 = rec.rows(da3)
         x_d, w_d, r_d = rec.weight_grads(d, da3, da2, hp2)
@@ -425,7 +420,7 @@ def gru(n: Node):
             an = xh + r * hr
         else:
             rhp = r * hp2
-            an = n.op.Gemm(rhp, rh, _plus(xh, rbh), transB=1)
+            an = n.op.Gemm(rhp, rh, total(xh, rbh), transB=1)
         new, gn = rec.activate(g, an)
         to_n = (1.0 - z) * gn                                          # dAn = dH to_n
         to_z = (hp2 - new) * fz                                        # dAz = dH to_z
@@ -486,7 +481,7 @@ def lstm(n: Node):
     d initial_h, d initial_c = dH_t-1, dC_t-1 of the first step (beyond the tags, as PyTorch's h_0, c_0).
     """
     if n.attr("input_forget", 0):
-        n.unsupported("input_forget=1 (coupled input and forget gates) has no gradient rule")
+        n.decline("input_forget=1 (coupled input and forget gates) has no gradient rule")
     rec = _Recurrence(n, 4, ["Sigmoid", "Tanh", "Tanh"], has_cell=True)
     H, T = rec.H, rec.T
     peep = n.input(7)
@@ -533,16 +528,16 @@ def lstm(n: Node):
                 dao = n.b.zeros_like(dc)
             else:
                 dao = dh * hc[t] * do_s[t]
-                dc = _plus(dh * o_s[t] * dhc[t], dc_in)
+                dc = total(dh * o_s[t] * dhc[t], dc_in)
                 if p_o is not None:
                     dc = dc + dao * p_o
             dai, daf, dac = dc * c_s[t] * di_s[t], dc * c_prev[t] * df_s[t], dc * i_s[t] * dc_s[t]
             da[t] = n.op.Concat(dai, dao, daf, dac, axis=-1)
-            carry_h = _plus(n.op.MatMul(da[t], rec.r[d]), passed_h)
+            carry_h = total(n.op.MatMul(da[t], rec.r[d]), passed_h)
             carry_c = dc * f_s[t]
             if p_i is not None:
                 carry_c = carry_c + dai * p_i + daf * p_f
-            carry_c = _plus(carry_c, passed_c)
+            carry_c = total(carry_c, passed_c)
         da3 = rec.stack(da)
         da2 = rec.rows(da3)
         x_d, w_d, r_d = rec.weight_grads(d, da3, da2, hp2)

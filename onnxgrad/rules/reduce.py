@@ -73,19 +73,10 @@ class _Reduction:
         if shape is not None and self.kind != "dynamic":
             dims = shape if self.kind == "all" else [shape[a] for a in self.axes]
             if all(d is not None for d in dims):
-                return float(_prod(dims))
+                return float(self.n.b.prod(dims))
         size_x = _float_like(self.n, self.n.op.Size(self.x), like)
         size_y = _float_like(self.n, self.n.op.Size(self.n.outputs[0]), like)
         return size_x / size_y
-
-
-def _prod(values) -> int:
-    out = 1
-    for v in values:
-        out *= int(v)
-    return out
-
-
 
 
 def _float_like(n: Node, mask: Var, like: Var) -> Var:

@@ -23,58 +23,20 @@ grid = [base, 1] theta'.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence, Union
+from typing import Sequence
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto
 
-from ..builder import Var
+from ..builder import Dim, Var
 from ..registry import Node, register
 from . import nn
 
-Dim = Union[int, Var]  # a size: an int when static, else a 1-element int64 tensor
-
 
 # -- helpers ------------------------------------------------------------------------------
-def _rank(n: Node, x: Var) -> int:
-    if x.rank is None:
-        n.unsupported(f"{n.proto.op_type} needs the rank of its input to be known")
-    return x.rank
-
-
-def _dim(n: Node, x: Var, k: int) -> Dim:
-    if x.shape is not None and x.shape[k] is not None:
-        return x.shape[k]
-    return n.b.shape_of(x, k, k + 1)
-
-
-def _tensor(n: Node, d: Dim) -> Var:
-    """A size as a 1-element int64 tensor."""
-    return n.b.ints([d]) if isinstance(d, int) else d
-
-
-def _ints(n: Node, parts: Sequence[Dim]) -> Var:
-    """A 1-D int64 tensor of sizes (a constant when all are static)."""
-    if all(isinstance(p, int) for p in parts):
-        return n.b.ints(parts)
-    return n.op.Concat(*[_tensor(n, p) for p in parts], axis=0)
-
-
-def _mul(n: Node, a: Dim, b: Dim) -> Dim:
-    if isinstance(a, int) and isinstance(b, int):
-        return a * b
-    return n.op.Mul(_tensor(n, a), _tensor(n, b))
-
-
 def _float(n: Node, d: Dim, like: Var) -> float | Var:
     """A size as a float scalar of ``like``'s type (a Python float when static)."""
     return float(d) if isinstance(d, int) else n.b.cast_like(n.op.Squeeze(d, n.b.ints([0])), like)
-
-
-def _zeros(n: Node, shape: Var, like: Var) -> Var:
-    """Zeros of the given shape in like's type."""
-    np_type = helper.tensor_dtype_to_np_dtype(like.dtype) if like.dtype is not None else np.float32
-    return n.b.cast_like(n.op.ConstantOfShape(shape, value=numpy_helper.from_array(np.zeros(1, np_type))), like)
 
 
 def _attrs(n: Node, drop: Sequence[str] = ()) -> dict:
@@ -91,7 +53,7 @@ def resize(n):
     integer factor repeats each input: its transpose is a sum over blocks (Reshape, ReduceSum).
     """
     x = n.inputs[0]
-    rank = _rank(n, x)
+    rank = n.b.rank(x)
     axes = [a + rank if a < 0 else a for a in n.attr("axes", list(range(rank)))]
     plans = _resize_plans(n, x, axes)
     y_shape = n.outputs[0].shape
@@ -171,7 +133,7 @@ def _resize_plans(n: Node, x: Var, axes: list[int]) -> dict[int, dict]:
     common = None
     if use_sizes and policy != "stretch":
         if sizes is None or None in static_in:
-            n.unsupported(f"Resize with keep_aspect_ratio_policy='{policy}' needs constant sizes "
+            n.decline(f"Resize with keep_aspect_ratio_policy='{policy}' needs constant sizes "
                           "and a static input shape")
         ratios = [s / d for s, d in zip(sizes.tolist(), static_in)]
         common = min(ratios) if policy == "not_larger" else max(ratios)
@@ -211,7 +173,7 @@ def _keep_ratio_plan(n: Node, scale: float, size_in: int) -> dict:
     ctm = n.attr("coordinate_transformation_mode", "half_pixel")
     cubic_inside = n.attr("mode", "nearest") == "cubic" and n.attr("exclude_outside", 0)
     if ctm not in ("half_pixel", "asymmetric", "tf_half_pixel_for_nn", "pytorch_half_pixel") or cubic_inside:
-        n.unsupported("Resize with keep_aspect_ratio_policy where round(scale * in) differs from floor(scale * in) "
+        n.decline("Resize with keep_aspect_ratio_policy where round(scale * in) differs from floor(scale * in) "
                       f"(scale {scale:g}, input size {size_in}) and coordinate_transformation_mode '{ctm}'"
                       + (" with exclude_outside" if cubic_inside else ""))
     return {"scale": float(np.float32(scale)), "rows": out, "pad": int(np.ceil(2.0 / scale)) + 2}
@@ -231,8 +193,8 @@ def _is_identity(plan: dict, size_in: int | None, size_out: int | None) -> bool:
 def _interpolation_matrix(n: Node, x: Var, k: int, plan: dict, transposed: bool) -> Var:
     """A_k, (out_k, in_k), or its transpose: Resize of the in_k x in_k identity along one axis."""
     along = 1 if transposed else 0          # resize the eye's rows (A) or columns (A^T)
-    size_in = _dim(n, x, k)
-    eye = n.op.EyeLike(_zeros(n, _ints(n, [size_in, size_in]), x))
+    size_in = n.b.dim(x, k)
+    eye = n.op.EyeLike(n.b.zeros([size_in, size_in], x))
     if "pad" in plan:           # the last element repeated (see _keep_ratio_plan)
         pads = [0, 0, 0, 0]
         pads[2 + along] = plan["pad"]
@@ -249,7 +211,7 @@ def _interpolation_matrix(n: Node, x: Var, k: int, plan: dict, transposed: bool)
             scales = n.op.Concat(*([one, s] if along else [s, one]), axis=0)
     else:
         size = plan["size"]
-        sizes = _ints(n, [size_in, size] if along else [size, size_in])
+        sizes = n.b.vector([size_in, size] if along else [size, size_in])
     attrs = _attrs(n, drop=("axes", "keep_aspect_ratio_policy", "extrapolation_value"))
     if "roi" in plan:
         attrs["extrapolation_value"] = 0.0   # outputs outside the crop do not depend on X
@@ -286,22 +248,21 @@ def _scatter_taps(n: Node, x: Var, index: Var, weight: Var | None, batch: Var | 
     """
     b = n.b
     dy = n.dy
-    n_x, channels = _dim(n, x, 0), _dim(n, x, 1)
+    n_x, channels = n.b.dim(x, 0), n.b.dim(x, 1)
     pixels = spatial[0]
     for d in spatial[1:]:
-        pixels = _mul(n, pixels, d)
+        pixels = n.b.prod([pixels, d])
     updates = b.unsqueeze(n.op.Transpose(n.op.Reshape(dy, b.ints([0, 0, -1])), perm=[0, 2, 1]), [2])
     if weight is not None:                                                           # (B, L, T, C)
         updates = updates * b.unsqueeze(n.b.cast_like(weight, dy), [3])
-    updates = n.op.Reshape(updates, _ints(n, [-1, channels]))
+    updates = n.op.Reshape(updates, n.b.vector([-1, channels]))
     if batch is None:
-        batch = n.op.Range(b.const(np.array(0, np.int64)), n.op.Squeeze(_tensor(n, _dim(n, dy, 0)), b.ints([0])),
-                           b.const(np.array(1, np.int64)))
-    base = b.unsqueeze(n.op.Mul(batch, _tensor(n, pixels)), [1, 2])                  # (B, 1, 1)
+        batch = b.arange(b.dim(dy, 0))
+    base = b.unsqueeze(n.op.Mul(batch, n.b.vector([pixels])), [1, 2])                  # (B, 1, 1)
     rows = n.op.Reshape(n.op.Add(index, base), b.ints([-1, 1]))
-    zeros = _zeros(n, _ints(n, [_mul(n, n_x, pixels), channels]), dy)
+    zeros = n.b.zeros([n.b.prod([n_x, pixels]), channels], dy)
     grad = n.op.ScatterND(zeros, rows, updates, reduction="add")                      # (N * P, C)
-    grad = n.op.Transpose(n.op.Reshape(grad, _ints(n, [n_x, pixels, channels])), perm=[0, 2, 1])
+    grad = n.op.Transpose(n.op.Reshape(grad, n.b.vector([n_x, pixels, channels])), perm=[0, 2, 1])
     return b.reshape_like(grad, x)
 
 
@@ -313,11 +274,11 @@ def _combine_index(n: Node, index: list[list[Var]], sizes: Sequence[Dim], lead: 
     """
     strides: list[Dim] = [1]
     for d in reversed(sizes[1:]):
-        strides.insert(0, _mul(n, strides[0], d))
+        strides.insert(0, n.b.prod([strides[0], d]))
     flat = None
     for i, axis_index in enumerate(index):
         others = [lead + j for j in range(len(index)) if j != i]
-        idx = n.op.Mul(n.op.Cast(_stack(n, axis_index, others), to=TensorProto.INT64), _tensor(n, strides[i]))
+        idx = n.op.Mul(n.op.Cast(_stack(n, axis_index, others), to=TensorProto.INT64), n.b.vector([strides[i]]))
         flat = idx if flat is None else n.op.Add(flat, idx)
     return flat
 
@@ -480,12 +441,12 @@ def grid_sample(n):
     is tagged NonDifferentiable; it gets a gradient beyond the tags.
     """
     x, grid = n.inputs
-    spatial = _rank(n, x) - 2
+    spatial = n.b.rank(x) - 2
     mode = n.attr("mode", "bilinear" if n.opset < 20 else "linear")
     mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
     padding = n.attr("padding_mode", "zeros")
     align = bool(n.attr("align_corners", 0))
-    sizes = [_dim(n, x, 2 + i) for i in range(spatial)]
+    sizes = [n.b.dim(x, 2 + i) for i in range(spatial)]
     points = n.op.Reshape(grid, n.b.ints([0, -1, spatial]))                           # (N, L, S)
     taps = []
     for i in range(spatial):   # the grid lists coordinates innermost axis first: (x, y[, z])
@@ -533,8 +494,8 @@ def affine_grid(n):
     """
     theta, size = n.inputs
     b = n.b
-    spatial = _dim(n, theta, 1)                                                       # S
-    identity = b.unsqueeze(n.op.EyeLike(_zeros(n, _ints(n, [spatial, _dim(n, theta, 2)]), theta)), [0])
+    spatial = n.b.dim(theta, 1)                                                       # S
+    identity = b.unsqueeze(n.op.EyeLike(n.b.zeros([spatial, n.b.dim(theta, 2)], theta)), [0])
     known = n.const_ints(1)
     if known is not None:
         one_sample = b.ints([1] + known[1:])
@@ -542,8 +503,8 @@ def affine_grid(n):
         rest = n.op.Slice(size, b.ints([1]), b.ints([np.iinfo(np.int64).max]))
         one_sample = n.op.Concat(b.ints([1]), rest, axis=0)
     base = n.op.AffineGrid(identity, one_sample, align_corners=n.attr("align_corners", 0))
-    base = n.op.Reshape(base, _ints(n, [-1, spatial]))                                     # (P, S)
-    dgrid = n.op.Reshape(n.dy, _ints(n, [0, -1, spatial]))                                 # (N, P, S)
+    base = n.op.Reshape(base, n.b.vector([-1, spatial]))                                     # (P, S)
+    dgrid = n.op.Reshape(n.dy, n.b.vector([0, -1, spatial]))                                 # (N, P, S)
     linear = n.op.MatMul(n.op.Transpose(dgrid, perm=[0, 2, 1]), base)                      # (N, S, S)
     translation = n.op.Transpose(b.sum(dgrid, [1], keepdims=True), perm=[0, 2, 1])         # (N, S, 1)
     return n.op.Concat(linear, translation, axis=2), None
@@ -565,29 +526,25 @@ def _roi_align_max(n: Node, x: Var, batch: Var, index: Var, weight: Var, exist: 
     full = b.shape_of(index)
     index = n.op.Reshape(n.op.Transpose(index, perm=perm), flat)                         # (R, L, T)
     weight = n.op.Reshape(n.op.Transpose(weight, perm=perm), flat)
-    channels, pixels = _dim(n, x, 1), _mul(n, sizes[0], sizes[1])
-    c = n.op.Range(b.const(np.array(0, np.int64)), n.op.Squeeze(_tensor(n, channels), b.ints([0])),
-                   b.const(np.array(1, np.int64)))
-    r = n.op.Range(b.const(np.array(0, np.int64)), n.op.Squeeze(b.shape_of(batch), b.ints([0])),
-                   b.const(np.array(1, np.int64)))
+    channels, pixels = n.b.dim(x, 1), n.b.prod([sizes[0], sizes[1]])
+    c, r = b.arange(channels), b.arange(b.shape_of(batch))
     taps = b.unsqueeze(index, [1])                                                        # (R, 1, L, T)
     # flat positions (plain Gathers: onnx.reference's GatherElements takes at most 64 positions per row)
-    plane = n.op.Add(n.op.Mul(b.unsqueeze(r, [1]), _tensor(n, channels)), b.unsqueeze(c, [0]))      # (R, C)
+    plane = n.op.Add(n.op.Mul(b.unsqueeze(r, [1]), n.b.vector([channels])), b.unsqueeze(c, [0]))      # (R, C)
     images = n.op.Reshape(n.op.Gather(x, batch, axis=0), b.ints([-1]))                   # R * C * H * W
-    values = n.op.Gather(images, n.op.Add(n.op.Mul(b.unsqueeze(plane, [2, 3]), _tensor(n, pixels)), taps))
+    values = n.op.Gather(images, n.op.Add(n.op.Mul(b.unsqueeze(plane, [2, 3]), n.b.vector([pixels])), taps))
     values = values * b.unsqueeze(weight, [1])                                            # (R, C, L, T)
     if exist is not None:
         exist = n.op.Reshape(n.op.Transpose(n.op.Expand(exist, full), perm=perm), flat)
         values = n.op.Where(b.unsqueeze(exist, [1]), values, b.scalar(-np.inf, values))
     pick = n.op.ArgMax(values, axis=3, keepdims=1)                                       # (R, C, L, 1)
-    chosen = n.op.Equal(n.op.Range(b.const(np.array(0, np.int64)), n.op.Squeeze(b.shape_of(index, 2, 3), b.ints([0])),
-                                   b.const(np.array(1, np.int64))), pick)                # (R, C, L, T)
+    chosen = n.op.Equal(b.arange(b.shape_of(index, 2, 3)), pick)                       # (R, C, L, T)
     tap = b.sum(n.op.Where(chosen, taps, b.const(np.array(0, np.int64))), [3])           # (R, C, L, 1)
     w = b.sum(n.op.Where(chosen, b.unsqueeze(weight, [1]), b.scalar(0.0, values)), [3])
     update = n.op.Reshape(n.dy, b.ints([0, 0, -1, 1])) * w
-    image = n.op.Add(n.op.Mul(b.unsqueeze(batch, [1]), _tensor(n, channels)), b.unsqueeze(c, [0]))  # (R, C)
-    where = n.op.Add(n.op.Mul(b.unsqueeze(image, [2, 3]), _tensor(n, pixels)), tap)
-    zeros = _zeros(n, b.shape_of(n.op.Reshape(x, b.ints([-1]))), n.dy)
+    image = n.op.Add(n.op.Mul(b.unsqueeze(batch, [1]), n.b.vector([channels])), b.unsqueeze(c, [0]))  # (R, C)
+    where = n.op.Add(n.op.Mul(b.unsqueeze(image, [2, 3]), n.b.vector([pixels])), tap)
+    zeros = n.b.zeros(b.shape_of(n.op.Reshape(x, b.ints([-1]))), n.dy)
     grad = n.op.ScatterElements(zeros, n.op.Reshape(where, b.ints([-1])), n.op.Reshape(update, b.ints([-1])),
                                 axis=0, reduction="add")
     return b.reshape_like(grad, x)
@@ -637,7 +594,7 @@ def roi_align(n):
     box = rois * n.attr("spatial_scale", 1.0)
     if half_pixel:
         box = box - 0.5
-    sizes = [_dim(n, x, 2), _dim(n, x, 3)]
+    sizes = [n.b.dim(x, 2), n.b.dim(x, 3)]
     taps, grids, exists = [], [], []
     for axis in range(2):   # y (height), then x (width); a box is (x1, y1, x2, y2)
         start = n.op.Gather(box, b.ints([1 - axis]), axis=1)                         # (R, 1)
@@ -650,8 +607,7 @@ def roi_align(n):
         else:
             grid = n.op.Ceil(length / float(pooled[axis]))                          # (R, 1)
             most = n.op.Cast(b.reduce("ReduceMax", grid, None, keepdims=False), to=TensorProto.INT64)
-            samples = n.b.cast_like(n.op.Range(b.const(np.array(0, np.int64)), most,
-                                          b.const(np.array(1, np.int64))), length)
+            samples = n.b.cast_like(n.op.Range(b.int_scalar(0), most, b.int_scalar(1)), length)
             samples = b.unsqueeze(samples, [0, 1])                                    # (1, 1, G)
             exists.append(n.op.Less(samples, b.unsqueeze(grid, [2])))                 # (R, 1, G)
         grids.append(grid)
@@ -660,7 +616,7 @@ def roi_align(n):
     # y taps (R, PH, Gy, 2) and x taps (R, PW, Gx, 2) -> (R, PH, PW, Gy, 2, Gx, 2)
     y_idx, y_w = _stack(n, [i for i, _ in taps[0]], [2, 5, 6]), _stack(n, [w for _, w in taps[0]], [2, 5, 6])
     x_idx, x_w = _stack(n, [i for i, _ in taps[1]], [1, 3, 4]), _stack(n, [w for _, w in taps[1]], [1, 3, 4])
-    index = n.op.Add(n.op.Mul(n.op.Cast(y_idx, to=TensorProto.INT64), _tensor(n, sizes[1])),
+    index = n.op.Add(n.op.Mul(n.op.Cast(y_idx, to=TensorProto.INT64), n.b.vector([sizes[1]])),
                      n.op.Cast(x_idx, to=TensorProto.INT64))
     if n.attr("mode", "avg") == "max":
         exist = None if not exists else n.op.And(b.unsqueeze(exists[0], [2, 4, 5, 6]),

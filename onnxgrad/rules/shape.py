@@ -10,117 +10,35 @@ Scatter-adds: ScatterND / ScatterElements with ``reduction="add"`` from opset
 against a Range, then MatMul or Mul + ReduceSum) instead.
 
 Sizes that are unknown when the gradient is built are read at run time
-(``Shape``); helpers below carry a size either as an ``int`` or as a 1-D int64
-tensor ``[size]`` (:data:`Dim`).
+(``Shape``); the builder's helpers carry a size either as an ``int`` or as a 1-D
+int64 tensor ``[size]`` (:data:`onnxgrad.builder.Dim`).
 """
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Sequence
 
 import numpy as np
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, numpy_helper
 
-from ..builder import TensorInfo, Var
+from ..builder import INT64_MAX, INT64_MIN, Dim, TensorInfo, Var
 from ..registry import Node, register
-
-Dim = Union[int, Var]   # a size: static, or a 1-D int64 tensor [size] read at run time
-
-_INT64_MAX = int(np.iinfo(np.int64).max)
-_INT64_MIN = int(np.iinfo(np.int64).min)
 
 
 # -- helpers: sizes, shapes, constants ---------------------------------------------------
-def _rank(n: Node, x: Var) -> int:
-    if x.rank is None:
-        n.unsupported(f"the rank of '{x.name}' is unknown when the gradient is built (run shape inference)")
-    return x.rank
-
-
-def _axis(n: Node, axis: int, rank: int) -> int:
-    if not -rank <= axis < rank:
-        n.unsupported(f"axis {axis} is out of range for rank {rank}")
-    return axis % rank
-
-
 def _known_axis(n: Node, axis: int, tensors: Sequence[Var]) -> int:
     """axis made non-negative with the first known rank among tensors; as given (ONNX counts it
     from the end) when no rank is known."""
     for t in tensors:
         if t is not None and t.rank is not None:
-            return _axis(n, axis, t.rank)
+            return n.b.normalize_axis(axis, t.rank)
     return axis
-
-
-def _dim(n: Node, x: Var, i: int) -> Dim:
-    """x.shape[i]: the int when known, else Shape(x)[i:i+1] (i may be negative when the rank is unknown)."""
-    if x.shape is None:
-        return n.op.Gather(n.b.shape_of(x), n.b.ints([i]))
-    d = x.shape[i]
-    return d if d is not None else n.b.shape_of(x, i, i + 1)
-
-
-def _dims(n: Node, x: Var) -> list[Dim]:
-    return [_dim(n, x, i) for i in range(_rank(n, x))]
-
-
-def _vec(n: Node, parts: Sequence[Dim]) -> Var:
-    """The 1-D int64 tensor of ``parts``: one constant when all are static, else one Concat."""
-    groups: list[Var] = []
-    ints: list[int] = []
-    for p in parts:
-        if isinstance(p, Var):
-            if ints:
-                groups.append(n.b.ints(ints))
-                ints = []
-            groups.append(p)
-        else:
-            ints.append(int(p))
-    if ints or not groups:
-        groups.append(n.b.ints(ints))
-    return groups[0] if len(groups) == 1 else n.op.Concat(*groups, axis=0)
-
-
-def _prod(n: Node, parts: Sequence[Dim]) -> Dim:
-    """The product of sizes, folded where static."""
-    static = int(np.prod([p for p in parts if not isinstance(p, Var)], dtype=np.int64))
-    dynamic = [p for p in parts if isinstance(p, Var)]
-    if not dynamic:
-        return static
-    out = dynamic[0]
-    for p in dynamic[1:]:
-        out = n.op.Mul(out, p)
-    return out if static == 1 else n.op.Mul(out, n.b.ints([static]))
 
 
 def _add(n: Node, a: Dim, b: Dim) -> Dim:
     """The sum of two sizes, folded where static."""
     if isinstance(a, Var) or isinstance(b, Var):
-        return n.op.Add(_vec(n, [a]), _vec(n, [b]))
+        return n.op.Add(n.b.vector([a]), n.b.vector([b]))
     return a + b
-
-
-def _scalar(n: Node, d: Dim) -> Var:
-    """A size as a 0-D int64 tensor (Range's operands)."""
-    if isinstance(d, Var):
-        return n.b.squeeze(d, [0])
-    return n.b.const(np.array(d, np.int64))
-
-
-def _range(n: Node, d: Dim) -> Var:
-    """[0, 1, ..., d - 1] as int64."""
-    return n.op.Range(_scalar(n, 0), _scalar(n, d), _scalar(n, 1))
-
-
-def _zeros(n: Node, shape: Var, like: Var) -> Var:
-    """ConstantOfShape(shape) of like's element type."""
-    if like.dtype is not None:
-        value = np.zeros(1, helper.tensor_dtype_to_np_dtype(like.dtype))
-        return n.op.ConstantOfShape(shape, value=numpy_helper.from_array(value))
-    return n.b.cast_like(n.op.ConstantOfShape(shape), like)
-
-
-
-
 
 
 def _value(n: Node, x: Var | None) -> np.ndarray | None:
@@ -145,10 +63,10 @@ def _nonneg(n: Node, idx: Var, size: Dim, per_column: bool = False) -> Var:
     shape = idx.shape
     idx = _int64(n, idx)
     if isinstance(size, Var):
-        shift = size if per_column else _scalar(n, size)
+        shift = size if per_column else n.b.int_scalar(size)
     else:
         shift = n.b.const(np.array(size, np.int64))
-    out = n.op.Where(n.op.Less(idx, _scalar(n, 0)), n.op.Add(idx, shift), idx)
+    out = n.op.Where(n.op.Less(idx, n.b.int_scalar(0)), n.op.Add(idx, shift), idx)
     n.b.infos[out.name] = TensorInfo(TensorProto.INT64, shape)
     return out
 
@@ -156,8 +74,6 @@ def _nonneg(n: Node, idx: Var, size: Dim, per_column: bool = False) -> Var:
 def _onehot(n: Node, rows: Var, idx: Var, like: Var) -> Var:
     """(rows == idx) as like's float type: the exact matrix of a scatter-add, duplicates included."""
     return n.b.cast_like(n.op.Equal(rows, idx), like)
-
-
 
 
 # -- Reshape, Flatten, Squeeze, Unsqueeze, Transpose -------------------------------------
@@ -187,15 +103,15 @@ def concat(n: Node):
     axis = _known_axis(n, n.attr("axis"), [*xs, n.outputs[0]])
     if len(xs) == 1:
         return (n.dy,)
-    sizes = [_dim(n, x, axis) for x in xs]
+    sizes = [n.b.dim(x, axis) for x in xs]
     if all(n.needs(i) for i in range(len(xs))):
-        return n.op.Split(n.dy, _vec(n, sizes), axis=axis, outputs=len(xs))
+        return n.op.Split(n.dy, n.b.vector(sizes), axis=axis, outputs=len(xs))
     grads: list[Var | None] = []
     offset: Dim = 0
     for i, size in enumerate(sizes):
         end = _add(n, offset, size)
         if n.needs(i):
-            grads.append(n.op.Slice(n.dy, _vec(n, [offset]), _vec(n, [end]), n.b.ints([axis])))
+            grads.append(n.op.Slice(n.dy, n.b.vector([offset]), n.b.vector([end]), n.b.ints([axis])))
         else:
             grads.append(None)
         offset = end
@@ -233,7 +149,7 @@ def slice_(n: Node):
     if r is None:
         return (_slice_grad_scatter(n, x),)
     if axes is not None:
-        axes = [_axis(n, a, r) for a in axes]
+        axes = [n.b.normalize_axis(a, r) for a in axes]
     starts, ends, steps = n.const_ints(1), n.const_ints(2), n.const_ints(4)
     if n.input(4) is None and axes is not None:
         steps = [1] * len(axes)
@@ -262,7 +178,7 @@ def _slice_count(n: Node) -> int | None:
 
 def _slice_grad_static(n: Node, x: Var, axes: list[int], starts, ends, steps) -> Var:
     r = x.rank
-    size: list[Dim] = _dims(n, x)     # the current gradient's shape, axis by axis
+    size: list[Dim] = n.b.dims(x)     # the current gradient's shape, axis by axis
     begin, end = [0] * r, [0] * r
     reverse, strided = [], []
     for a, s, e, st in zip(axes, starts, ends, steps):
@@ -283,7 +199,7 @@ def _slice_grad_static(n: Node, x: Var, axes: list[int], starts, ends, steps) ->
     g = n.dy
     if reverse:
         k = len(reverse)
-        g = n.op.Slice(g, n.b.ints([-1] * k), n.b.ints([_INT64_MIN] * k), n.b.ints(reverse), n.b.ints([-1] * k))
+        g = n.op.Slice(g, n.b.ints([-1] * k), n.b.ints([INT64_MIN] * k), n.b.ints(reverse), n.b.ints([-1] * k))
     for a, stride in strided:
         g = _interleave_zeros(n, g, a, stride, size)
     if any(begin) or any(end):
@@ -301,7 +217,7 @@ def _interleave_zeros(n: Node, g: Var, axis: int, stride: int, size: list[Dim]) 
     pads = [0] * (2 * (r + 1))
     pads[r + 1 + axis + 1] = stride - 1
     spread = n.op.Pad(n.b.unsqueeze(g, [axis + 1]), n.b.ints(pads))        # [..., m, stride, ...]
-    merged = n.op.Reshape(spread, _vec(n, [0] * axis + [m * stride] + size[axis + 1:]))
+    merged = n.op.Reshape(spread, n.b.vector([0] * axis + [m * stride] + size[axis + 1:]))
     size[axis] = (m - 1) * stride + 1
     return n.op.Slice(merged, n.b.ints([0]), n.b.ints([size[axis]]), n.b.ints([axis]))
 
@@ -315,7 +231,7 @@ def _slice_grad_pad(n: Node, x: Var, axes: list[int] | Var) -> Var:
         axes = _int64(n, axes)
         d = n.op.Gather(n.b.shape_of(x), axes)
     else:
-        d = _vec(n, [_dim(n, x, a) for a in axes])
+        d = n.b.vector([n.b.dim(x, a) for a in axes])
     zero = n.b.ints([0])
 
     def clamp(v: Var) -> Var:
@@ -341,9 +257,9 @@ def _slice_grad_scatter(n: Node, x: Var) -> Var:
         shape = n.b.ints(x.shape)
     else:
         size, shape = n.op.Reshape(n.op.Size(x), n.b.ints([1])), n.b.shape_of(x)
-    positions = n.op.Reshape(_range(n, size), shape)
+    positions = n.op.Reshape(n.b.arange(size), shape)
     taken = n.op.Slice(positions, *n.inputs[1:])
-    flat = n.op.ScatterND(_zeros(n, _vec(n, [size]), x), n.op.Reshape(taken, n.b.ints([-1, 1])),
+    flat = n.op.ScatterND(n.b.zeros(n.b.vector([size]), x), n.op.Reshape(taken, n.b.ints([-1, 1])),
                           n.op.Reshape(n.dy, n.b.ints([-1])))
     return n.b.reshape_like(flat, x)
 
@@ -360,7 +276,7 @@ def pad(n: Node):
     if x.rank is None and n.input(3) is None and pads is not None:
         r = len(pads) // 2           # pads has two entries per axis of x
     else:
-        r = _rank(n, x)
+        r = n.b.rank(x)
     if n.input(3) is not None:
         axes = n.const_ints(3)
     else:
@@ -369,7 +285,7 @@ def pad(n: Node):
         if mode != "constant":
             return (_pad_grad_border_dynamic(n, x, mode),)
         return (_pad_grad_dynamic(n, x),)
-    axes = [_axis(n, a, r) for a in axes]
+    axes = [n.b.normalize_axis(a, r) for a in axes]
     k = len(axes)
     begin, end = [0] * r, [0] * r
     for a, b, e in zip(axes, pads[:k], pads[k:]):
@@ -377,13 +293,13 @@ def pad(n: Node):
     if mode == "constant":
         return (_pad_grad_constant(n, begin, end),)
     if any(p < 0 for p in begin + end):
-        n.unsupported(f"Pad mode '{mode}' with negative pads")
+        n.decline(f"Pad mode '{mode}' with negative pads")
     g = n.dy
     for a in range(r):
         if begin[a] or end[a]:
             d = x.shape[a] if x.shape is not None else None
             if d is None:       # the source of each y position computed at run time, then scatter-added
-                g = _fold_dynamic(n, g, a, r, _dim(n, x, a), mode, begin[a], _dim(n, n.dy, a))
+                g = _fold_dynamic(n, g, a, r, n.b.dim(x, a), mode, begin[a], n.b.dim(n.dy, a))
                 continue
             source = np.pad(np.arange(d), (begin[a], end[a]), mode=mode)   # y position -> x position
             g = _fold(n, g, a, r, source, d)
@@ -397,7 +313,7 @@ def _pad_grad_constant(n: Node, begin: list[int], end: list[int]) -> Var:
     g = n.dy
     if cut:
         g = n.op.Slice(g, n.b.ints([max(begin[a], 0) for a in cut]),
-                       n.b.ints([-end[a] if end[a] > 0 else _INT64_MAX for a in cut]), n.b.ints(cut))
+                       n.b.ints([-end[a] if end[a] > 0 else INT64_MAX for a in cut]), n.b.ints(cut))
     if any(p < 0 for p in begin + end):
         g = n.op.Pad(g, n.b.ints([max(-p, 0) for p in begin + end]))
     return g
@@ -415,8 +331,8 @@ def _pad_grad_dynamic(n: Node, x: Var) -> Var:
             k = n.op.Reshape(n.op.Size(axes), n.b.ints([1]))
     pads = _int64(n, n.input(1))
     zero = n.b.ints([0])
-    b = n.op.Max(n.op.Slice(pads, zero, _vec(n, [k])), zero)
-    e = n.op.Max(n.op.Slice(pads, _vec(n, [k]), n.b.ints([_INT64_MAX])), zero)
+    b = n.op.Max(n.op.Slice(pads, zero, n.b.vector([k])), zero)
+    e = n.op.Max(n.op.Slice(pads, n.b.vector([k]), n.b.ints([INT64_MAX])), zero)
     y_size = n.b.shape_of(n.outputs[0])
     on_axes = n.b.ints(range(r)) if axes is None else axes
     if axes is not None:
@@ -429,7 +345,7 @@ def _pad_grad_dynamic(n: Node, x: Var) -> Var:
 def _pad_grad_border_dynamic(n: Node, x: Var, mode: str) -> Var:
     """reflect, edge, wrap with pads (or axes) known at run time: every axis of x folded
     (:func:`_fold_dynamic`), each with its begin pad read from the pads tensor (0 off the padded axes)."""
-    r = _rank(n, x)
+    r = n.b.rank(x)
     pads = _int64(n, n.input(1))
     begin: Var = pads
     if n.input(3) is not None:   # begin pads scattered onto every axis: [0] * r with begin[axes[i]] = pads[i]
@@ -439,7 +355,7 @@ def _pad_grad_border_dynamic(n: Node, x: Var, mode: str) -> Var:
     g = n.dy
     for a in range(r):
         b = n.op.Slice(begin, n.b.ints([a]), n.b.ints([a + 1]))
-        g = _fold_dynamic(n, g, a, r, _dim(n, x, a), mode, b, _dim(n, n.dy, a))
+        g = _fold_dynamic(n, g, a, r, n.b.dim(x, a), mode, b, n.b.dim(n.dy, a))
     return g
 
 
@@ -447,21 +363,21 @@ def _fold_dynamic(n: Node, g: Var, axis: int, r: int, d: Dim, mode: str, begin: 
     """dx[i] = sum of g[j] over the j whose source is i, along axis, with the sizes read at run time:
     j - begin is taken back into [0, d) as the mode copied it (edge: clamped; reflect: mirrored with
     period 2(d - 1); wrap: modulo d), then g is scatter-added there."""
-    zero, one = _scalar(n, 0), _scalar(n, 1)
-    d0 = _scalar(n, d)
-    j = n.op.Sub(_range(n, y_len), _scalar(n, begin))
+    zero, one = n.b.int_scalar(0), n.b.int_scalar(1)
+    d0 = n.b.int_scalar(d)
+    j = n.op.Sub(n.b.arange(y_len), n.b.int_scalar(begin))
     if mode == "edge":
         src = n.op.Max(n.op.Min(j, n.op.Sub(d0, one)), zero)
     elif mode == "reflect":
-        period = n.op.Max(n.op.Mul(n.op.Sub(d0, one), _scalar(n, 2)), one)     # d = 1 copies its one value
+        period = n.op.Max(n.op.Mul(n.op.Sub(d0, one), n.b.int_scalar(2)), one)     # d = 1 copies its one value
         m = n.op.Mod(n.op.Abs(j), period)
         src = n.op.Where(n.op.Less(m, d0), m, n.op.Sub(period, m))
     elif mode == "wrap":
         src = n.op.Mod(j, d0)       # fmod=0: the divisor's sign, so negative j wrap to the end
     else:
-        n.unsupported(f"Pad mode '{mode}'")
+        n.decline(f"Pad mode '{mode}'")
     n.b.infos[src.name] = TensorInfo(TensorProto.INT64, (None,))
-    dims = [d if a == axis else _dim(n, g, a) for a in range(r)]
+    dims = [d if a == axis else n.b.dim(g, a) for a in range(r)]
     return _index_add(n, dims, axis, src, g, g)
 
 
@@ -485,7 +401,7 @@ def _fold(n: Node, g: Var, axis: int, r: int, source: np.ndarray, d: int) -> Var
         if step == 1:
             piece = n.op.Slice(g, n.b.ints([j]), n.b.ints([k]), axes)
         elif step == -1:
-            piece = n.op.Slice(g, n.b.ints([k - 1]), n.b.ints([j - 1 if j > 0 else _INT64_MIN]), axes,
+            piece = n.op.Slice(g, n.b.ints([k - 1]), n.b.ints([j - 1 if j > 0 else INT64_MIN]), axes,
                                n.b.ints([-1]))
         else:
             piece = n.b.sum(n.op.Slice(g, n.b.ints([j]), n.b.ints([k]), axes), [axis], keepdims=True)
@@ -502,7 +418,7 @@ def _fold(n: Node, g: Var, axis: int, r: int, source: np.ndarray, d: int) -> Var
 @register("Expand")
 def expand(n: Node):
     """y = broadcast x to shape:  dx = dy summed over the broadcast axes"""
-    return n.b.unbroadcast(n.dy, n.inputs[0], source=n.outputs[0]), None
+    return n.b.unbroadcast(n.dy, n.inputs[0]), None
 
 
 @register("Tile")
@@ -512,14 +428,14 @@ def tile(n: Node):
     reps = n.const_ints(1)
     r = x.rank if x.rank is not None else None if reps is None else len(reps)
     if reps is None:   # [r_0, d_0, r_1, d_1, ...] built in the graph; every r_i summed
-        shape = n.b.shape_of(x) if r is None else _vec(n, _dims(n, x))
+        shape = n.b.shape_of(x) if r is None else n.b.vector(n.b.dims(x))
         pairs = n.op.Concat(n.b.unsqueeze(_int64(n, n.input(1)), [1]), n.b.unsqueeze(shape, [1]), axis=1)
         blocks = n.op.Reshape(n.dy, n.op.Reshape(pairs, n.b.ints([-1])))
         if r is None:      # the rank only at run time: the even axes 0, 2, ..., 2r - 2
-            axes = n.op.Range(_scalar(n, 0), n.op.Size(pairs), _scalar(n, 2))
+            axes = n.op.Range(n.b.int_scalar(0), n.op.Size(pairs), n.b.int_scalar(2))
             return n.b.sum(blocks, axes, keepdims=False), None
         return n.b.sum(blocks, list(range(0, 2 * r, 2)), keepdims=False), None
-    dims = [_dim(n, x, i) for i in range(r)]
+    dims = [n.b.dim(x, i) for i in range(r)]
     parts: list[Dim] = []
     summed = []
     for rep, d in zip(reps, dims):
@@ -529,7 +445,7 @@ def tile(n: Node):
         parts.append(d)
     if not summed:
         return n.dy, None
-    return n.b.sum(n.op.Reshape(n.dy, _vec(n, parts)), summed, keepdims=False), None
+    return n.b.sum(n.op.Reshape(n.dy, n.b.vector(parts)), summed, keepdims=False), None
 
 
 # -- DepthToSpace, SpaceToDepth ------------------------------------------------------------
@@ -543,8 +459,8 @@ def depth_to_space(n: Node):
     if n.attr("mode", "DCR") == "DCR":
         return (n.op.SpaceToDepth(n.dy, blocksize=b),)
     x = n.inputs[0]
-    dims = _dims(n, x)
-    blocks = n.op.Reshape(n.dy, _vec(n, [0, 0, dims[2], b, dims[3], b]))      # [N, C', H, b, W, b]
+    dims = n.b.dims(x)
+    blocks = n.op.Reshape(n.dy, n.b.vector([0, 0, dims[2], b, dims[3], b]))      # [N, C', H, b, W, b]
     return (n.b.reshape_like(n.op.Transpose(blocks, perm=[0, 1, 3, 5, 2, 4]), x),)
 
 
@@ -596,30 +512,30 @@ def _index_add(n: Node, dims: list[Dim], axis: int, idx: Var, upd: Var, like: Va
     r = len(dims)
     if accumulate and n.opset < 16:
         return _index_add_onehot(n, dims, axis, idx, upd, like)
-    zeros = _zeros(n, _vec(n, dims), like)
+    zeros = n.b.zeros(n.b.vector(dims), like)
     reduction = "add" if accumulate else None
     if axis == 0:
         return n.op.ScatterND(zeros, n.b.unsqueeze(idx, [-1]), upd, reduction=reduction)
     if idx.rank != 1:
-        upd = n.op.Reshape(upd, _vec(n, [0] * axis + [-1] + dims[axis + 1:]))
+        upd = n.op.Reshape(upd, n.b.vector([0] * axis + [-1] + dims[axis + 1:]))
     where = n.op.Expand(n.op.Reshape(idx, n.b.ints([1] * axis + [-1] + [1] * (r - axis - 1))), n.b.shape_of(upd))
     return n.op.ScatterElements(zeros, where, upd, axis=axis, reduction=reduction)
 
 
 def _index_add_onehot(n: Node, dims: list[Dim], axis: int, idx: Var, upd: Var, like: Var) -> Var:
     """Before opset 16 (no scatter-add): out = onehot[d, K] @ upd as [.., K, rest], onehot = (range(d) == idx)."""
-    hot = _onehot(n, n.b.unsqueeze(_range(n, dims[axis]), [1]), n.op.Reshape(idx, n.b.ints([1, -1])), like)
+    hot = _onehot(n, n.b.unsqueeze(n.b.arange(dims[axis]), [1]), n.op.Reshape(idx, n.b.ints([1, -1])), like)
     rest = dims[axis + 1:]
     if idx.rank == 1:
         shape = [0, -1]             # a constant shape: onnx's inference keeps the rank (MatMul's grad needs it)
     elif all(isinstance(d, int) for d in rest):
-        shape = [-1, _prod(n, rest)]
+        shape = [-1, n.b.prod(rest)]
     elif idx.info.static:
         shape = [int(np.prod(idx.shape, dtype=np.int64)), -1]
     else:
         shape = [n.op.Reshape(n.op.Size(idx), n.b.ints([1])), -1]
-    rows = n.op.Reshape(upd, _vec(n, [0] * axis + shape))                       # [.., K, rest]
-    return n.op.Reshape(n.op.MatMul(hot, rows), _vec(n, dims))                  # [.., d, rest] -> dims
+    rows = n.op.Reshape(upd, n.b.vector([0] * axis + shape))                       # [.., K, rest]
+    return n.op.Reshape(n.op.MatMul(hot, rows), n.b.vector(dims))                  # [.., d, rest] -> dims
 
 
 @register("Gather")
@@ -628,8 +544,8 @@ def gather(n: Node):
     x, idx = n.inputs
     if x.rank is None:
         return _gather_grad_any_rank(n, x, idx, n.attr("axis", 0)), None
-    axis = _axis(n, n.attr("axis", 0), _rank(n, x))
-    dims = _dims(n, x)
+    axis = n.b.normalize_axis(n.attr("axis", 0), n.b.rank(x))
+    dims = n.b.dims(x)
     idx = _nonneg(n, idx, dims[axis])
     return _index_add(n, dims, axis, idx, n.dy, x, accumulate=not _distinct(n, idx)), None
 
@@ -638,9 +554,9 @@ def _gather_grad_any_rank(n: Node, x: Var, idx: Var, axis: int) -> Var:
     """x of unknown rank: x seen as [A, d, B] (A, B: the products of the dims before and after axis,
     read from Shape(x)), dy as [A, K, B] with K the number of indices; one scatter-add along the middle."""
     shape = n.b.shape_of(x)
-    after = n.b.ints([axis + 1 if axis != -1 else _INT64_MAX])
+    after = n.b.ints([axis + 1 if axis != -1 else INT64_MAX])
     lead = n.b.reduce("ReduceProd", n.op.Slice(shape, n.b.ints([0]), n.b.ints([axis])), None)
-    tail = n.b.reduce("ReduceProd", n.op.Slice(shape, after, n.b.ints([_INT64_MAX])), None)
+    tail = n.b.reduce("ReduceProd", n.op.Slice(shape, after, n.b.ints([INT64_MAX])), None)
     d = n.op.Slice(shape, n.b.ints([axis]), after)
     flat = n.op.Reshape(idx, n.b.ints([-1]))
     n.b.infos[flat.name] = TensorInfo(idx.dtype, (None,))
@@ -662,12 +578,12 @@ def gather_elements(n: Node):
     r = x.rank if x.rank is not None else idx.rank      # GatherElements' operands share their rank
     if r is None:
         return _gather_elements_grad_any_rank(n, x, idx, n.attr("axis", 0)), None
-    axis = _axis(n, n.attr("axis", 0), r)
+    axis = n.b.normalize_axis(n.attr("axis", 0), r)
     if n.opset >= 16 or _writes_once(_value(n, idx), axis, x.shape):
         reduction = "add" if n.opset >= 16 else None
         return n.op.ScatterElements(n.b.zeros_like(x), idx, n.dy, axis=axis, reduction=reduction), None
-    d = _dim(n, x, axis)
-    rows = n.op.Reshape(_range(n, d), n.b.ints([1] * (axis + 1) + [-1] + [1] * (r - axis - 1)))
+    d = n.b.dim(x, axis)
+    rows = n.op.Reshape(n.b.arange(d), n.b.ints([1] * (axis + 1) + [-1] + [1] * (r - axis - 1)))
     hot = _onehot(n, n.b.unsqueeze(_nonneg(n, idx, d), [axis + 1]), rows, x)   # idx.shape, d inserted after axis
     g = n.b.sum(n.b.unsqueeze(n.dy, [axis + 1]) * hot, [axis], keepdims=False)    # idx.shape, axis -> d
     same = (x.info.static and idx.info.static
@@ -686,18 +602,18 @@ def _gather_elements_grad_any_rank(n: Node, x: Var, idx: Var, axis: int) -> Var:
         return n.op.ScatterElements(n.b.zeros_like(x), idx, n.dy, axis=axis, reduction="add")
     b = n.b
     shape = b.shape_of(idx)
-    after = b.ints([axis + 1 if axis != -1 else _INT64_MAX])
+    after = b.ints([axis + 1 if axis != -1 else INT64_MAX])
     lead = b.reduce("ReduceProd", n.op.Slice(shape, b.ints([0]), b.ints([axis])), None)
-    tail = b.reduce("ReduceProd", n.op.Slice(shape, after, b.ints([_INT64_MAX])), None)
+    tail = b.reduce("ReduceProd", n.op.Slice(shape, after, b.ints([INT64_MAX])), None)
     three = n.op.Concat(lead, b.ints([-1]), tail, axis=0)
     d = n.op.Gather(b.shape_of(x), b.ints([axis]))
     idx3 = n.op.Reshape(_int64(n, idx), three)
-    idx3 = n.op.Where(n.op.Less(idx3, _scalar(n, 0)), n.op.Add(idx3, d), idx3)
-    rows = n.op.Reshape(_range(n, d), b.ints([1, 1, -1, 1]))
+    idx3 = n.op.Where(n.op.Less(idx3, n.b.int_scalar(0)), n.op.Add(idx3, d), idx3)
+    rows = n.op.Reshape(n.b.arange(d), b.ints([1, 1, -1, 1]))
     hot = _onehot(n, b.unsqueeze(idx3, [2]), rows, x)                                 # [A, K, d, B]
     g = b.sum(b.unsqueeze(n.op.Reshape(n.dy, three), [2]) * hot, [1], keepdims=False)  # [A, d, B]
     g = n.op.Reshape(g, n.op.Concat(n.op.Slice(shape, b.ints([0]), b.ints([axis])), d,
-                                    n.op.Slice(shape, after, b.ints([_INT64_MAX])), axis=0))
+                                    n.op.Slice(shape, after, b.ints([INT64_MAX])), axis=0))
     grow = n.op.Sub(b.shape_of(x), b.shape_of(g))
     return n.op.Pad(g, n.op.Concat(n.op.Mul(grow, b.ints([0])), grow, axis=0))
 
@@ -714,29 +630,29 @@ def gather_nd(n: Node):
     if idx.shape is None or idx.shape[-1] is None or x.rank is None:
         return _gather_nd_grad_any_shape(n, x, idx, bd), None
     q, k = len(idx.shape), idx.shape[-1]
-    dims = _dims(n, x)
+    dims = n.b.dims(x)
     indexed = dims[bd:bd + k]
-    strides = [_prod(n, indexed[j + 1:]) for j in range(k)]
+    strides = [n.b.prod(indexed[j + 1:]) for j in range(k)]
     value = _value(n, idx)
     if value is not None and all(isinstance(d, int) for d in dims[:bd + k]):
         value = value.astype(np.int64)
         value = np.where(value < 0, value + np.array(indexed, np.int64), value)
         rows = (value * np.array(strides, np.int64)).sum(-1)
         if bd:
-            batch = np.arange(_prod(n, dims[:bd]), dtype=np.int64).reshape(dims[:bd] + [1] * (q - 1 - bd))
-            rows = rows + batch * _prod(n, indexed)
+            batch = np.arange(n.b.prod(dims[:bd]), dtype=np.int64).reshape(dims[:bd] + [1] * (q - 1 - bd))
+            rows = rows + batch * n.b.prod(indexed)
         rows = n.b.const(rows)
         accumulate = not _distinct(n, rows)
     else:
         accumulate = True
-        idx = _nonneg(n, idx, _vec(n, indexed), per_column=True)
-        rows = n.b.squeeze(idx, [-1]) if k == 1 else n.b.sum(n.op.Mul(idx, _vec(n, strides)), [-1], keepdims=False)
+        idx = _nonneg(n, idx, n.b.vector(indexed), per_column=True)
+        rows = n.b.squeeze(idx, [-1]) if k == 1 else n.b.sum(n.op.Mul(idx, n.b.vector(strides)), [-1], keepdims=False)
         if bd:
-            batch = n.op.Reshape(_range(n, _prod(n, dims[:bd])), _vec(n, dims[:bd] + [1] * (q - 1 - bd)))
-            rows = n.op.Add(rows, n.op.Mul(batch, _vec(n, [_prod(n, indexed)])))
+            batch = n.op.Reshape(n.b.arange(n.b.prod(dims[:bd])), n.b.vector(dims[:bd] + [1] * (q - 1 - bd)))
+            rows = n.op.Add(rows, n.op.Mul(batch, n.b.vector([n.b.prod(indexed)])))
         n.b.infos[rows.name] = TensorInfo(TensorProto.INT64, tuple(idx.shape[:-1]))
-    table = [_prod(n, dims[:bd + k])] + dims[bd + k:]
-    return n.op.Reshape(_index_add(n, table, 0, rows, n.dy, x, accumulate), _vec(n, dims)), None
+    table = [n.b.prod(dims[:bd + k])] + dims[bd + k:]
+    return n.op.Reshape(_index_add(n, table, 0, rows, n.dy, x, accumulate), n.b.vector(dims)), None
 
 
 def _gather_nd_grad_any_shape(n: Node, x: Var, idx: Var, bd: int) -> Var:
@@ -745,30 +661,30 @@ def _gather_nd_grad_any_shape(n: Node, x: Var, idx: Var, bd: int) -> Var:
     ReduceProd over a masked [k, k] table), then one row scatter-add of dy and a Reshape to S."""
     b = n.b
     shape, ishape = b.shape_of(x), b.shape_of(idx)
-    k = n.op.Slice(ishape, b.ints([-1]), b.ints([_INT64_MAX]))                        # [k]
+    k = n.op.Slice(ishape, b.ints([-1]), b.ints([INT64_MAX]))                        # [k]
     end = n.op.Add(k, b.ints([bd]))
     indexed = n.op.Slice(shape, b.ints([bd]), end)                                     # S[bd:bd+k]
-    cols = _range(n, k)
+    cols = n.b.arange(k)
     later = n.op.Greater(b.unsqueeze(cols, [0]), b.unsqueeze(cols, [1]))               # [k, k]: column i after row j
     table = n.op.Where(later, b.unsqueeze(indexed, [0]), b.ints([1]))
     strides = b.reduce("ReduceProd", table, [1], keepdims=False)                       # [k]
     idx = _int64(n, idx)
-    idx = n.op.Where(n.op.Less(idx, _scalar(n, 0)), n.op.Add(idx, indexed), idx)
+    idx = n.op.Where(n.op.Less(idx, n.b.int_scalar(0)), n.op.Add(idx, indexed), idx)
     rows = b.sum(n.op.Mul(idx, strides), [-1], keepdims=False)                         # idx.shape[:-1]
     if bd:
         batch = b.reduce("ReduceProd", n.op.Slice(shape, b.ints([0]), b.ints([bd])), None)   # [B]
         ones = n.op.ConstantOfShape(n.op.Sub(n.op.Shape(ishape), b.ints([bd + 1])),
                                     value=numpy_helper.from_array(np.ones(1, np.int64)))
-        grid = n.op.Reshape(_range(n, batch), n.op.Concat(n.op.Slice(ishape, b.ints([0]), b.ints([bd])), ones,
+        grid = n.op.Reshape(n.b.arange(batch), n.op.Concat(n.op.Slice(ishape, b.ints([0]), b.ints([bd])), ones,
                                                           axis=0))
         rows = n.op.Add(rows, n.op.Mul(grid, b.reduce("ReduceProd", indexed, None)))
     rows = n.op.Reshape(rows, b.ints([-1]))
     n.b.infos[rows.name] = TensorInfo(TensorProto.INT64, (None,))
-    rest = n.op.Slice(shape, end, b.ints([_INT64_MAX]))                              # S[bd+k:]
+    rest = n.op.Slice(shape, end, b.ints([INT64_MAX]))                              # S[bd+k:]
     count = b.reduce("ReduceProd", n.op.Slice(shape, b.ints([0]), end), None)         # [prod(S[:bd+k])]
     upd = n.op.Reshape(n.dy, n.op.Concat(b.ints([-1]), rest, axis=0))                  # [R, *rest]
     if n.opset >= 16:
-        zeros = _zeros(n, n.op.Concat(count, rest, axis=0), x)
+        zeros = n.b.zeros(n.op.Concat(count, rest, axis=0), x)
         g = n.op.ScatterND(zeros, b.unsqueeze(rows, [-1]), upd, reduction="add")
     else:
         flat = n.op.Reshape(upd, b.ints([0, -1]))                                     # [R, prod(rest)]
@@ -791,8 +707,8 @@ def compress(n: Node):
         size: Dim = (int(np.prod(x.shape, dtype=np.int64)) if x.info.static
                      else n.op.Reshape(n.op.Size(x), n.b.ints([1])))
         return n.b.reshape_like(_index_add(n, [size], 0, where, n.dy, x, accumulate=False), x), None
-    axis = _axis(n, axis, _rank(n, x))
-    return _index_add(n, _dims(n, x), axis, where, n.dy, x, accumulate=False), None
+    axis = n.b.normalize_axis(axis, n.b.rank(x))
+    return _index_add(n, n.b.dims(x), axis, where, n.dy, x, accumulate=False), None
 
 
 # -- ScatterElements, ScatterND: gathers -----------------------------------------------------
@@ -859,7 +775,7 @@ def _scatter_grads(n: Node, gather, scatter, unique):
         d_data = share * won_data if n.needs(0) else None
         d_upd = gather(share) * won_upd if n.needs(2) else None
     else:
-        n.unsupported(f"reduction '{reduction}'")
+        n.decline(f"reduction '{reduction}'")
     return d_data, None, d_upd
 
 
@@ -914,24 +830,24 @@ def tensor_scatter(n: Node):
     """
     past, upd = n.inputs[:2]
     w = n.input(2)
-    r = _rank(n, past)
-    axis = _axis(n, n.attr("axis", -2), r)
+    r = n.b.rank(past)
+    axis = n.b.normalize_axis(n.attr("axis", -2), r)
     circular = n.attr("mode", "linear") == "circular"
     along = [1] * axis + [-1] + [1] * (r - axis - 1)
-    t = n.op.Reshape(_range(n, _dim(n, past, axis)), n.b.ints(along))        # cache positions
-    length = _dim(n, upd, axis)
-    start = n.op.Reshape(_int64(n, w), n.b.ints([-1] + [1] * (r - 1))) if w is not None else _scalar(n, 0)
-    size = _dim(n, past, axis)
+    t = n.op.Reshape(n.b.arange(n.b.dim(past, axis)), n.b.ints(along))        # cache positions
+    length = n.b.dim(upd, axis)
+    start = n.op.Reshape(_int64(n, w), n.b.ints([-1] + [1] * (r - 1))) if w is not None else n.b.int_scalar(0)
+    size = n.b.dim(past, axis)
     d_past = d_upd = None
     if n.needs(0):
         offset = n.op.Sub(t, start)                                           # position within the update
         if circular:
-            offset = n.op.Mod(offset, _vec(n, [size]))
-        written = n.op.And(n.op.GreaterOrEqual(offset, _scalar(n, 0)), n.op.Less(offset, _vec(n, [length])))
+            offset = n.op.Mod(offset, n.b.vector([size]))
+        written = n.op.And(n.op.GreaterOrEqual(offset, n.b.int_scalar(0)), n.op.Less(offset, n.b.vector([length])))
         d_past = n.op.Where(written, n.b.scalar(0.0, past), n.dy)
     if n.needs(1):
-        p = n.op.Add(start, n.op.Reshape(_range(n, length), n.b.ints(along)))
+        p = n.op.Add(start, n.op.Reshape(n.b.arange(length), n.b.ints(along)))
         if circular:
-            p = n.op.Mod(p, _vec(n, [size]))
+            p = n.op.Mod(p, n.b.vector([size]))
         d_upd = n.op.GatherElements(n.dy, n.op.Expand(p, n.b.shape_of(upd)), axis=axis)
     return (d_past, d_upd, None)[:len(n.inputs)]

@@ -60,7 +60,7 @@ def _const_int(n: Node, i: int, what: str) -> int | None:
         return None
     value = n.const_ints(i)
     if value is None:
-        n.unsupported(f"{n.proto.op_type}'s {what} must be a constant when the gradient is built")
+        n.decline(f"{n.proto.op_type}'s {what} must be a constant when the gradient is built")
     return value[0]
 
 
@@ -86,7 +86,7 @@ def _dft(n: Node, axis: int):
     """
     x = n.inputs[0]
     if x.shape is None or x.shape[-1] is None:
-        n.unsupported("DFT needs its input's rank and last axis (real 1 or complex 2) known")
+        n.decline("DFT needs its input's rank and last axis (real 1 or complex 2) known")
     rank = len(x.shape)
     inverse, onesided = n.attr("inverse", 0), bool(n.attr("onesided", 0))
     axis = axis + rank if axis < 0 else axis
@@ -97,7 +97,7 @@ def _dft(n: Node, axis: int):
     if length is None:
         length = have
     if (onesided or length != have) and (length is None or have is None):
-        n.unsupported("DFT needs the signal length along its axis known when the gradient is built")
+        n.decline("DFT needs the signal length along its axis known when the gradient is built")
     dx = _adjoint(n, n.dy, axis, rank, length, onesided, inverse)
     if length != have:
         dx = _fit(n, dx, axis, rank, length, have)
@@ -112,7 +112,7 @@ def _irfft_grad(n: Node, axis: int, rank: int, have: int | None, length: int | N
     zero-padded back to X's length (complex: the schema refuses a real IRFFT input).
     """
     if have is None:
-        n.unsupported("IRFFT needs the spectrum's length along its axis known when the gradient is built")
+        n.decline("IRFFT needs the spectrum's length along its axis known when the gradient is built")
     if length is None:
         length = 2 * (have - 1)
     kept = length // 2 + 1
@@ -142,13 +142,13 @@ def stft(n):
     signal = n.inputs[0]
     window = n.input(2)
     if signal.shape is None or None in signal.shape[1:]:
-        n.unsupported("STFT needs the signal's length and its last axis (real 1 or complex 2) known")
+        n.decline("STFT needs the signal's length and its last axis (real 1 or complex 2) known")
     _, total, parts = signal.shape
     step = _const_int(n, 1, "frame_step")
     length = _const_int(n, 3, "frame_length")
     if length is None:
         if window is not None and (window.shape is None or window.shape[0] is None):
-            n.unsupported("STFT needs its frame length known when the gradient is built")
+            n.decline("STFT needs its frame length known when the gradient is built")
         length = window.shape[0] if window is not None else total
     frames = (total - length) // step + 1
     du = _adjoint(n, n.dy, 2, 4, length, bool(n.attr("onesided", 1)), 0)                   # (B, F, N, 2)
