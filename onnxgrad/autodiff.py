@@ -408,11 +408,12 @@ class _Pass:
         grad_of = {gname: x for x, gname in self.grad_of.items() if x in self.types}
         unknown, typed = [], []
         types: dict[tuple, onnx.TypeProto] = {}          # one TypeProto per (type, shape)
+        no_info = TensorInfo()
         for node in backward:
             for name in node.output:
                 if not name or name in outputs:
                     continue
-                info = infos.get(name) or TensorInfo()
+                info = infos.get(name, no_info)
                 shape, dtype = info.shape, info.dtype
                 if shape is None or dtype is None or None in shape:     # partial: x's symbolic dims
                     x = grad_of.get(name)

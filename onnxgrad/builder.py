@@ -318,6 +318,10 @@ class Builder:
             attr = helper.make_attribute("value", numpy_helper.from_array(arr))
             if key is not None:
                 self.attributes[("value", key)] = attr
+        return self._constant(arr, attr, key)
+
+    def _constant(self, arr: np.ndarray, attr: onnx.AttributeProto, key: tuple | None) -> Var:
+        """This scope's Constant node holding ``arr`` (``attr``: its value attribute), shared by ``key``."""
         v = self.emit("Constant", [], value=attr)
         self.infos[v.name] = TensorInfo(attr.t.data_type, tuple(arr.shape))   # rules may read them back
         self.constants[v.name] = arr
@@ -338,8 +342,20 @@ class Builder:
         return v
 
     def scalar(self, value: float, like: Var) -> Var:
-        """A scalar of ``like``'s float type."""
-        return self.const_like(np.array(value), like)
+        """A scalar of ``like``'s float type (asked of most rules: its value attribute is made once per
+        value and type, and a scope's Constant once per value)."""
+        dtype = like.dtype
+        if dtype is None:
+            return self.const_like(np.array(value), like)
+        key = ("scalar", float(value), dtype)
+        name = self.shared_constants.get(key)
+        if name is not None:
+            return Var(self, name)
+        made = self.attributes.get(key)
+        if made is None:
+            arr = np.array(value, helper.tensor_dtype_to_np_dtype(dtype))
+            made = self.attributes[key] = (arr, helper.make_attribute("value", numpy_helper.from_array(arr)))
+        return self._constant(*made, key)
 
     def const_like(self, value: Any, like: Var) -> Var:
         """A constant in ``like``'s element type (CastLike at run time when that type is unknown)."""

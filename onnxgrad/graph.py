@@ -29,6 +29,7 @@ from .registry import Rule, get_rule, get_schema, schema_differentiable_inputs
 __all__ = ["rule_of", "differentiable_positions", "dependencies", "live_nodes", "live", "gradient_reach"]
 
 _STANDARD = ("", "ai.onnx")
+_WITH_BODIES = frozenset({"If", "Loop", "Scan", "SequenceMap"})     # the ai.onnx ops with subgraphs
 
 
 def rule_of(node: onnx.NodeProto, opset: int | None = None) -> Rule | None:
@@ -131,24 +132,26 @@ def gradient_reach(nodes: Sequence[onnx.NodeProto], targets: Iterable[str], opse
     infos = infos or {}
     cache = {} if cache is None else cache
     reach = {t for t in targets if M.is_float(infos.get(t))}      # float tensors only, so an output
-    for node in reversed(nodes):                                     # in reach is a float one
-        for o in node.output:
-            if o in reach:
-                break
-        else:
+    facts: dict[tuple, tuple[str, Sequence[int]]] = {}               # in reach is a float one
+    for node in reversed(nodes):
+        if reach.isdisjoint(node.output):
             continue
-        subgraph = bool(node.attribute) and M.has_subgraph(node)
-        rule = None if subgraph else rule_of(node, opset)
-        if rule is not None and rule.stop:
-            if rule.zero_derivative:       # a gradient of zeros, not none (PyTorch's floor, sign)
-                reach.update(x for x in node.input if x and M.is_float(infos.get(x)))
-            continue
-        if subgraph:
-            reach.update(x for x in node.input if x and M.is_float(infos.get(x)))
+        op, domain, inputs = node.op_type, node.domain, node.input
+        if (op in _WITH_BODIES or domain not in _STANDARD) and M.has_subgraph(node):
+            reach.update(x for x in inputs if x and M.is_float(infos.get(x)))
             reach |= {x for x in M.subgraph_inputs(node) if M.is_float(infos.get(x))}
             continue
-        for i in differentiable_positions(node, opset, strict, cache):
-            x = node.input[i]
-            if x and M.is_float(infos.get(x)):
+        key = (domain, op, len(inputs))
+        fact = facts.get(key)
+        if fact is None:                # the same for every node of this op: looked up once
+            rule = rule_of(node, opset)
+            if rule is not None and rule.stop:   # zero_derivative: a gradient of zeros (PyTorch's floor, sign)
+                fact = ("zeros", range(len(inputs))) if rule.zero_derivative else ("stop", ())
+            else:
+                fact = ("", differentiable_positions(node, opset, strict, cache))
+            facts[key] = fact
+        for i in fact[1]:
+            x = inputs[i]
+            if x and x not in reach and M.is_float(infos.get(x)):
                 reach.add(x)
     return reach

@@ -347,8 +347,9 @@ def _recover_ranks(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     values = list(g.input) + list(g.value_info) + list(g.output)
     shaped = {vi.name for vi in values if vi.type.tensor_type.HasField("shape")}
     shaped.update(init.name for init in g.initializer)
-    if all(x in shaped for n in g.node for x in n.input if x):
-        return {}                   # the common case: every tensor a node reads has a shape already
+    shaped.add("")                  # an optional output left out
+    if all(vi.name in shaped for vi in g.input) and all(shaped.issuperset(n.output) for n in g.node):
+        return {}                   # the common case: every tensor a node makes or reads has a shape already
     types: dict[str, onnx.TypeProto] = {}
     for vi in values:
         types.setdefault(vi.name, vi.type)
