@@ -35,3 +35,38 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in SLOW_MODULES or any(s in item.originalname for s in SLOW_TESTS):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _per_test_data(request):
+    """Data drawn inside a test comes from a generator seeded from the test's id (harness.rng); the runtimes
+    that ran the harness's gradient graphs go with the test's report (and through xdist) to the summary."""
+    import harness
+
+    start = len(harness.RUNS)
+    with harness.seeded(f"{request.node.module.__name__}::{request.node.name}"):
+        yield
+    for run in harness.RUNS[start:]:
+        request.node.user_properties.append(("gradient_runtime", run))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Which runtime evaluated the harness's gradient graphs: onnxruntime, or onnx.reference with the reason
+    declared (a case's ``reference``, or the element type's kernels)."""
+    runs = [value for reports in terminalreporter.stats.values() for r in reports
+            if getattr(r, "when", None) == "teardown"
+            for key, value in getattr(r, "user_properties", ()) if key == "gradient_runtime"]
+    if not runs:
+        return
+    write = terminalreporter.write_line
+    in_ort = sum(r[1] == "onnxruntime" for r in runs)
+    write(f"harness gradient graphs: {len(runs)} checked; float32 run in onnxruntime: {in_ort}; "
+          f"float64 run in onnxruntime: {sum(r[2] == 'onnxruntime' for r in runs)}")
+    by_reason: dict[str, list[str]] = {}
+    for name, g32, g64, reason in runs:
+        if "reference" in (g32, g64):
+            by_reason.setdefault(f"{'float32+float64' if g32 == 'reference' else 'float64'}: {reason}",
+                                 []).append(name)
+    for reason, names in sorted(by_reason.items(), key=lambda kv: -len(kv[1])):
+        shown = ", ".join(sorted(set(names))[:6]) + (", ..." if len(set(names)) > 6 else "")
+        write(f"  in onnx.reference, {len(names)} x {reason} ({shown})")

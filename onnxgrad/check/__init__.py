@@ -9,16 +9,19 @@ ones along random directions.
 """
 from __future__ import annotations
 
-import json
+import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Mapping
 
 import numpy as np
 import onnx
+import onnx.defs
 from onnx import TensorProto, helper, numpy_helper
 
-from .builder import FLOAT_TYPES
-from .files import runnable
+from ..autodiff import gradient_spec  # noqa: F401  (re-exported: it lived here)
+from ..builder import FLOAT_TYPES
+from ..files import runnable
 
 _TO_DOUBLE = {t: TensorProto.DOUBLE for t in FLOAT_TYPES}
 # Gradients smaller than this are compared in absolute terms: a gradient that is zero
@@ -27,64 +30,98 @@ ABS_FLOOR = 1e-4
 
 
 # -- running models -------------------------------------------------------------------
-# onnxruntime's float64 kernels for these are missing at run time (RNN, GRU, LSTM accept a float64
-# session, then fail) or depart from the spec (Attention: NaN for fully masked rows, a top-left
-# causal frontier with nonpad_kv_seqlen): float64 models with them run in onnx.reference.
-_REFERENCE_FOR_FLOAT64 = frozenset({"Attention", "RNN", "GRU", "LSTM"})
+# Ops whose onnxruntime float64 kernels load but cannot be trusted: RNN, GRU and LSTM accept a float64 session,
+# then fail at run time; Attention departs from the spec in float64 (NaN for a fully masked row, a top-left
+# causal frontier with nonpad_kv_seqlen). A float64 model with one of them runs in onnx.reference, saying so.
+FLOAT64_IN_REFERENCE = {
+    "RNN": "onnxruntime's float64 RNN kernel fails at run time",
+    "GRU": "onnxruntime's float64 GRU kernel fails at run time",
+    "LSTM": "onnxruntime's float64 LSTM kernel fails at run time",
+    "Attention": "onnxruntime's float64 Attention departs from the spec (fully masked rows, causal frontier)",
+}
+_NON_FLOAT32 = {TensorProto.DOUBLE: "double", TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
+
+
+class RuntimeRefusedError(RuntimeError):
+    """onnxruntime cannot load or run a model that nothing declared for onnx.reference.
+
+    ``detail``: onnxruntime's own message, its first line.
+    """
+
+    def __init__(self, stage: str, model: onnx.ModelProto, error: Exception):
+        text = str(error).strip()
+        self.detail = text.splitlines()[0] if text else type(error).__name__
+        super().__init__(f"onnxruntime cannot {stage} the model '{model.graph.name}': {self.detail} (no silent "
+                         "switch to onnx.reference: declare it with Runner(model, runtime='reference', reason=...) "
+                         "or check(..., reference=reason))")
 
 
 class Runner:
-    """Runs a model with onnxruntime (CPU) when it loads and runs there, else with onnx.reference.
+    """Runs a model in onnxruntime (CPU), or in onnx.reference where that is declared with a reason.
 
-    onnx.reference runs with the corrected kernels of :mod:`onnxgrad.reference_ops`.
+    Nothing switches runtime silently: a model onnxruntime cannot load or run raises
+    :class:`RuntimeRefusedError`, unless ``runtime="reference"`` comes with a ``reason``, or the reason is
+    the element type, which is declared automatically: a model computing in float64, float16 or bfloat16
+    with an op whose onnxruntime CPU kernel lacks that type (its kernel registry says so), an op listed in
+    :data:`FLOAT64_IN_REFERENCE`, or bfloat16 inputs (onnxruntime's Python API takes no bfloat16 arrays).
+    ``runtime="onnxruntime"`` forbids even that. ``backend`` says what runs the model, ``reason`` why it
+    is not onnxruntime. onnx.reference runs with the corrected kernels of :mod:`onnxgrad.check.kernels`.
     """
 
-    def __init__(self, model: onnx.ModelProto, prefer: str = "onnxruntime", strict: bool = False):
+    def __init__(self, model: onnx.ModelProto, runtime: str | None = None, reason: str = ""):
+        if runtime not in (None, "onnxruntime", "reference"):
+            raise ValueError(f"runtime must be 'onnxruntime' or 'reference', not {runtime!r}")
+        if runtime == "reference" and not reason:
+            raise ValueError("running a model in onnx.reference needs a reason (reason=...)")
         self.model = model
-        self.strict = strict         # onnxruntime or an error: no silent switch to onnx.reference
         self.outputs = [o.name for o in model.graph.output]
         self._inputs = {i.name for i in model.graph.input}
-        self.backend = None
-        if prefer == "onnxruntime" and not _float64_with(model, _REFERENCE_FOR_FLOAT64):
-            try:
-                import onnxruntime as ort
+        self.backend, self.reason = "onnxruntime", ""
+        self._auto = runtime is None
+        if runtime == "reference":
+            self._use_reference(reason)
+            return
+        why = _type_reason(model) if self._auto else ""
+        if why:
+            self._use_reference(why)
+            return
+        import onnxruntime as ort
 
-                opts = ort.SessionOptions()
-                opts.log_severity_level = 3
-                with runnable(model) as source:     # a model over 2 GB: by path, its data beside it
-                    self._sess = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
-                self.backend = "onnxruntime"
-            except Exception:
-                if strict:
-                    raise
-                self.backend = None
-        if self.backend is None:
-            self._use_reference()
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        try:
+            with runnable(model) as source:     # a model over 2 GB: by path, its data beside it
+                self._sess = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+        except Exception as e:
+            why = _kernel_gap(model, e) if self._auto else ""
+            if not why:
+                raise RuntimeRefusedError("load", model, e) from e
+            self._use_reference(why)
 
-    def _use_reference(self) -> None:
+    def _use_reference(self, reason: str) -> None:
         from onnx.reference import ReferenceEvaluator
 
         self._sess = ReferenceEvaluator(self.model, new_ops=_exact_reference_ops())
-        self.backend = "reference"
+        self.backend, self.reason = "reference", reason
 
     def __call__(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
         names = outputs or self.outputs
-        feeds = {k: v for k, v in feeds.items() if k in self._inputs}
+        feeds = {k: np.asarray(v) for k, v in feeds.items() if k in self._inputs}   # numpy scalars as arrays
+        if self.backend == "reference":
+            return dict(zip(names, self._sess.run(names, feeds)))
         try:
-            if self.backend == "onnxruntime":
-                values = self._sess.run(names, feeds, _quiet_run_options())
-            else:
-                values = self._sess.run(names, feeds)
-        except Exception:
-            if self.backend != "onnxruntime" or self.strict:
-                raise
-            self._use_reference()          # loaded in onnxruntime, but a kernel refused at run time
+            values = self._sess.run(names, feeds, _quiet_run_options())
+        except Exception as e:
+            why = _kernel_gap(self.model, e) if self._auto else ""
+            if not why:
+                raise RuntimeRefusedError("run", self.model, e) from e
+            self._use_reference(why)          # a kernel for the element type missing at run time
             values = self._sess.run(names, feeds)
         return dict(zip(names, values))
 
 
 def _quiet_run_options():
-    """Run options that keep onnxruntime's error log of a failed run (we report it, or fall back) off stderr."""
+    """Run options that keep onnxruntime's error log of a failed run (we report it) off stderr."""
     import onnxruntime as ort
 
     opts = ort.RunOptions()
@@ -92,15 +129,103 @@ def _quiet_run_options():
     return opts
 
 
-def _float64_with(model: onnx.ModelProto, ops: frozenset) -> bool:
+def _element_types(model: onnx.ModelProto) -> set[int]:
+    """The non-float32 float types the model computes in (its inputs, initializers and outputs)."""
     g = model.graph
-    double = any(vi.type.tensor_type.elem_type == TensorProto.DOUBLE for vi in g.input) or any(
-        t.data_type == TensorProto.DOUBLE for t in g.initializer)
-    return double and any(node.op_type in ops for node in g.node)
+    types = {vi.type.tensor_type.elem_type for vi in list(g.input) + list(g.output)}
+    types |= {t.data_type for t in g.initializer}
+    return types & set(_NON_FLOAT32)
+
+
+def _type_reason(model: onnx.ModelProto) -> str:
+    """The declared reason a model computing in this element type runs in onnx.reference, before trying."""
+    types = _element_types(model)
+    if TensorProto.BFLOAT16 in {vi.type.tensor_type.elem_type for vi in model.graph.input}:
+        return "onnxruntime's Python API takes no bfloat16 arrays"
+    if TensorProto.DOUBLE in types:
+        listed = sorted({n.op_type for n in model.graph.node if n.op_type in FLOAT64_IN_REFERENCE})
+        if listed:
+            return "; ".join(FLOAT64_IN_REFERENCE[op] for op in listed)
+    return ""
+
+
+@lru_cache(maxsize=1)
+def _cpu_kernels() -> dict[tuple[str, str], list[tuple[int, int, tuple[frozenset, ...]]]]:
+    """onnxruntime's CPU kernel registry: (domain, op) -> [(first opset, last opset, each constraint's types)]."""
+    from onnxruntime.capi import _pybind_state
+
+    table: dict[tuple[str, str], list] = {}
+    for k in _pybind_state.get_all_opkernel_def():
+        if k.provider == "CPUExecutionProvider":
+            constraints = tuple(frozenset(ts) for ts in k.type_constraints.values())
+            table.setdefault((k.domain, k.op_name), []).append((*k.version_range, constraints))
+    return table
+
+
+_FLOAT_TYPE_STRS = frozenset({"tensor(float)", "tensor(double)", "tensor(float16)", "tensor(bfloat16)"})
+# onnxruntime's refusals that name an op and are about element types: a kernel missing for the type, an
+# input type the op's schema does not take, an output typed float32 by the op's function body
+_MISSING_KERNEL = re.compile(r"(?:implementation|kernel) for (\w+)\((\d+)\)")
+_INPUT_TYPE = re.compile(r"Type 'tensor\((\w+)\)' of input parameter \([^)]*\) of operator \((\w+)\) in node")
+_OUTPUT_TYPE = re.compile(r"Type \(tensor\((\w+)\)\) of output arg \([^)]*\) of node \(([^)]*)\) does not match "
+                          r"expected type \(tensor\(float\)\)")
+
+
+def _computes_in(constraints: tuple[frozenset, ...], type_str: str) -> bool:
+    """Whether a kernel takes ``type_str`` in every float type constraint it has (LayerNormalization's
+    double kernel keeps its statistics U in float: not a double kernel for stash_type=double)."""
+    floats = [c for c in constraints if c & _FLOAT_TYPE_STRS]
+    return bool(floats) and all(type_str in c for c in floats)
+
+
+def _schema_takes(op: str, version: int, type_str: str) -> bool:
+    """Whether every float type constraint of the op's schema at this opset takes ``type_str``."""
+    try:
+        schema = onnx.defs.get_schema(op, version, "")
+    except onnx.defs.SchemaError:
+        return True
+    floats = [set(c.allowed_type_strs) for c in schema.type_constraints if set(c.allowed_type_strs) & _FLOAT_TYPE_STRS]
+    return all(type_str in c for c in floats)
+
+
+def _kernel_gap(model: onnx.ModelProto, e: Exception) -> str:
+    """The reason, if onnxruntime refused a model computing in float64, float16 or bfloat16 because an op
+    takes no such element type there (no CPU kernel for it, a schema that excludes it, a function body
+    computing in float32); else "" (the refusal is not about element types, and is not to be hidden)."""
+    types = {f"tensor({_NON_FLOAT32[t]})" for t in _element_types(model)}
+    text = str(e)
+    if not types:
+        return ""
+    version = {o.domain or "": o.version for o in model.opset_import}.get("", 1)
+    if found := _MISSING_KERNEL.search(text):
+        op, version = found.group(1), int(found.group(2))
+    elif found := _INPUT_TYPE.search(text):
+        op = found.group(2)
+        types &= {f"tensor({found.group(1)})"}
+    elif found := _OUTPUT_TYPE.search(text):
+        node = next((n for n in model.graph.node if n.name == found.group(2) and not n.domain), None)
+        if node is None:
+            return ""
+        op = node.op_type
+    else:
+        return ""
+    kernels = [c for lo, hi, c in _cpu_kernels().get(("", op), []) if lo <= version <= hi]
+    if _MISSING_KERNEL.search(text) and not kernels:
+        return ""               # no kernel at this opset for any type: not a matter of element types
+    lacking = sorted(t for t in types if not any(_computes_in(k, t) for k in kernels))
+    if not lacking:
+        return ""
+    import onnxruntime as ort
+
+    names = "/".join(t[7:-1] for t in lacking)
+    if not all(_schema_takes(op, version, t) for t in lacking):
+        return f"the ONNX schema of {op}-{version} takes no {names}"
+    how = "CPU kernel" if kernels else "CPU kernel (it runs the op's function body, in float32)"
+    return f"onnxruntime {ort.__version__} has no {names} {how} for {op}-{version}"
 
 
 def _exact_reference_ops() -> list:
-    from .reference_ops import KERNELS
+    from .kernels import KERNELS
 
     return KERNELS
 
@@ -112,13 +237,17 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
     m.CopyFrom(model)
     g = m.graph
     del g.value_info[:]
+    keep = _float32_only(m)         # Resize's scales: float32 whatever the data's type
+    opsets = {o.domain or "": o.version for o in m.opset_import}
     for vi in list(g.input) + list(g.output):
-        _type_to_double(vi.type)
+        if vi.name not in keep:
+            _type_to_double(vi.type)
     for i, init in enumerate(g.initializer):
-        if init.data_type in _TO_DOUBLE:
+        if init.data_type in _TO_DOUBLE and init.name not in keep:
             g.initializer[i].CopyFrom(_double_tensor(init))
     for node in g.node:
-        _node_to_double(node)
+        if not (node.op_type == "Constant" and node.output[0] in keep):
+            _node_to_double(node, opsets)
     return m
 
 
@@ -126,6 +255,28 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
 # LayerNormalization and Attention compute their statistics and softmax in.
 _TYPE_ATTRIBUTES = frozenset({"to", "dtype", "stash_type", "softmax_precision"})
 _STASHING = frozenset({"LayerNormalization", "GroupNormalization", "RMSNormalization"})
+
+
+def _float32_only(model: onnx.ModelProto) -> set[str]:
+    """Names of float inputs and initializers read only where the op's schema fixes their type to float32
+    (Resize's scales), whatever the data's: a float64 copy keeps them as they are."""
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    fixed, flexible = set(), set()
+    for node in model.graph.node:
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opsets.get(node.domain or "", 1), node.domain or "")
+        except onnx.defs.SchemaError:
+            flexible.update(node.input)
+            continue
+        allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+        for i, name in enumerate(node.input):
+            if not schema.inputs or not name:
+                continue
+            param = schema.inputs[min(i, len(schema.inputs) - 1)]
+            # a concrete type (Resize's scales: tensor(float)), not a type variable the data sets
+            concrete = param.type_str not in allowed and param.type_str in _FLOAT_TYPE_STRS
+            (fixed if concrete and param.type_str != "tensor(double)" else flexible).add(name)
+    return fixed - flexible
 
 
 def _type_to_double(tp: onnx.TypeProto) -> None:
@@ -144,7 +295,7 @@ def _double_tensor(t: onnx.TensorProto) -> onnx.TensorProto:
     return numpy_helper.from_array(arr, t.name)
 
 
-def _node_to_double(node: onnx.NodeProto) -> None:
+def _node_to_double(node: onnx.NodeProto, opsets: dict[str, int] | None = None) -> None:
     for a in node.attribute:
         if a.type == onnx.AttributeProto.TENSOR and a.t.data_type in _TO_DOUBLE:
             a.t.CopyFrom(_double_tensor(a.t))
@@ -157,13 +308,26 @@ def _node_to_double(node: onnx.NodeProto) -> None:
                 _subgraph_to_double(sg)
     if node.op_type == "ConstantOfShape" and not node.attribute:     # float32 zeros by default
         node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.zeros(1, np.float64))))
-    if node.op_type in _STASHING and not any(a.name == "stash_type" for a in node.attribute):
+    if node.op_type in _STASHING and not any(a.name == "stash_type" for a in node.attribute) and _has_attribute(
+            node, "stash_type", opsets):
         node.attribute.append(helper.make_attribute("stash_type", TensorProto.DOUBLE))  # default: float32
     if node.op_type == "Constant" and node.attribute[0].name in ("value_float", "value_floats"):
         a = node.attribute[0]
         value = np.array(a.f if a.name == "value_float" else list(a.floats), np.float64)
         del node.attribute[:]
         node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(value)))
+
+
+def _has_attribute(node: onnx.NodeProto, name: str, opsets: dict[str, int] | None) -> bool:
+    """Whether the node's schema, at the model's opset, has this attribute (GroupNormalization-18 has no
+    stash_type; 21 has). Without the opsets (a subgraph), assume so."""
+    if opsets is None:
+        return True
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opsets.get(node.domain or "", 1), node.domain or "")
+    except onnx.defs.SchemaError:
+        return False
+    return name in schema.attributes
 
 
 def _subgraph_to_double(g: onnx.GraphProto) -> None:
@@ -224,6 +388,11 @@ def run_float64(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict
     """Run ``model`` computing in float64 (its float64 copy, float feeds converted): the tight check
     of a gradient graph's math, as ``check(..., analytic_run=run_float64)``."""
     return Runner(to_float64(model))(as_float64(feeds))
+
+
+def _declared(reference: str) -> dict:
+    """Runner arguments: onnx.reference for a declared reason, else onnxruntime (element types aside)."""
+    return {"runtime": "reference", "reason": reference} if reference else {}
 
 
 # -- inputs ---------------------------------------------------------------------------
@@ -312,8 +481,10 @@ class CheckResult:
     analytic: dict[str, np.ndarray]
     numeric: dict[str, np.ndarray] = field(default_factory=dict)
     backend: str = ""               # what ran the float64 forward model
-    grad_backend: str = ""          # what ran the gradient model
+    grad_backend: str = ""          # what ran the gradient model: "onnxruntime", "reference" or "analytic_run"
     joint: float | None = None      # worst error along directions over every wrt tensor at once (sample=)
+    reason: str = ""                # why the forward ran in onnx.reference ("" when onnxruntime ran it)
+    grad_reason: str = ""           # why the gradient model did
 
     @property
     def worst(self) -> float:
@@ -322,12 +493,6 @@ class CheckResult:
     def ok(self, tol: float) -> bool:
         errors = list(self.errors.values()) + ([self.joint] if self.joint is not None else [])
         return all(np.isfinite(e) and e <= tol for e in errors)
-
-
-def gradient_spec(grad_model: onnx.ModelProto) -> dict:
-    """wrt, of, loss, gradient and seed names, as the pass recorded them in metadata_props."""
-    meta = {p.key: p.value for p in grad_model.metadata_props}
-    return {k: json.loads(meta[f"onnxgrad.{k}"]) for k in ("wrt", "of", "loss", "gradients", "seeds")}
 
 
 def check(
@@ -342,6 +507,7 @@ def check(
     analytic_run: Callable[[onnx.ModelProto, dict], dict] | None = None,
     sample: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    reference: str = "",
 ) -> CheckResult:
     """Compare ``grad_model``'s gradients (run in onnxruntime) with central differences of ``model``.
 
@@ -350,9 +516,11 @@ def check(
     ``sample``: check at most that many wrt tensors one by one (a random choice), and every one of
     them together along ``directions`` random directions (``CheckResult.joint``): a bounded number
     of forward runs for models with hundreds of parameters. ``progress(done, total)`` is called
-    after each forward run pair.
+    after each forward run pair. Every model runs in onnxruntime, except where onnx.reference is
+    declared: by ``reference`` (the reason, for every run of this check) or, automatically, by the element
+    type (see :class:`Runner`); the result records which runtime ran what, and why.
     """
-    from .model import load
+    from ..model import load
 
     rng = np.random.default_rng(rng)
     model = load(model)          # what grad() differentiates: opsets below 13 upgraded, functions inlined
@@ -365,7 +533,8 @@ def check(
     targets = [loss] if loss else list(of)
     inits = {i.name: numpy_helper.to_array(i) for i in model64.graph.initializer}
     intermediates = [w for w in wrt if w not in feeds64 and w not in inits]
-    base = Runner(_with_outputs(model64, intermediates + targets))(feeds64, intermediates + targets)
+    declared = _declared(reference)
+    base = Runner(_with_outputs(model64, intermediates + targets), **declared)(feeds64, intermediates + targets)
     start = {w: feeds64[w] if w in feeds64 else inits[w] if w in inits else base[w] for w in wrt}
     gfeeds = dict(feeds)
     out_dtype = {o.name: o.type.tensor_type.elem_type for o in grad_model.graph.output}
@@ -376,11 +545,12 @@ def check(
         gfeeds[spec["seeds"][o]] = seed
         seeds64[o] = seed.astype(np.float64)                            # and the same values for the truth
     grad_names = [spec["gradients"][w] for w in wrt]
-    grad_backend = "analytic_run"
-    if analytic_run is None:
-        grad_runner = Runner(grad_model)
-        values = grad_runner(gfeeds, grad_names)
-        grad_backend = grad_runner.backend
+    grad_backend, grad_reason = "analytic_run", ""
+    if analytic_run is None or analytic_run is run_float64:      # a run whose runtime is recorded
+        in64 = analytic_run is run_float64
+        grad_runner = Runner(to_float64(grad_model) if in64 else grad_model, **declared)
+        values = grad_runner(as_float64(gfeeds) if in64 else gfeeds, grad_names)
+        grad_backend, grad_reason = grad_runner.backend, grad_runner.reason
     else:
         values = analytic_run(grad_model, gfeeds)
     analytic = {w: np.asarray(values[g], np.float64) for w, g in zip(wrt, grad_names)}
@@ -388,9 +558,9 @@ def check(
     # inputs and initializers are perturbed in one model; an intermediate tensor in a model of its own
     # where it alone is cut from its producer (the other wrt tensors still follow what they depend on)
     leaves = [w for w in wrt if w not in intermediates]
-    runners = {None: Runner(_as_inputs(model64, leaves))}
+    runners = {None: Runner(_as_inputs(model64, leaves), **declared)}
     for w in intermediates:
-        runners[w] = Runner(_as_inputs(model64, leaves + [w]))
+        runners[w] = Runner(_as_inputs(model64, leaves + [w]), **declared)
     point = dict(feeds64)
     point.update({w: np.asarray(start[w], np.float64) for w in leaves})
     errors, numeric = {}, {}
@@ -453,7 +623,8 @@ def check(
                              analytic, objective_of=lambda out: float(np.sum(out[loss])) if loss else float(
                                  sum(np.sum(seeds64[o] * out[o]) for o in of)),
                              targets=targets, rng=rng, eps=eps, directions=directions, tick=tick)
-    return CheckResult(errors, analytic, numeric, runners[None].backend, grad_backend, joint)
+    return CheckResult(errors, analytic, numeric, runners[None].backend, grad_backend, joint, runners[None].reason,
+                       grad_reason)
 
 
 def _joint_error(run: "Runner", point: dict, names: list[str], analytic: dict, objective_of, targets: list[str],
