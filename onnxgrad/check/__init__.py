@@ -167,6 +167,8 @@ _FLOAT_TYPE_STRS = frozenset({"tensor(float)", "tensor(double)", "tensor(float16
 # input type the op's schema does not take, an output typed float32 by the op's function body
 _MISSING_KERNEL = re.compile(r"(?:implementation|kernel) for (\w+)\((\d+)\)")
 _INPUT_TYPE = re.compile(r"Type 'tensor\((\w+)\)' of input parameter \([^)]*\) of operator \((\w+)\) in node")
+_BODY_TYPES = re.compile(r"Type parameter \(\w+\) of Optype \(\w+\) bound to different types \(tensor\((\w+)\) and "
+                         r"tensor\(float\)\)? in node \(\)")       # a function body's float32 constant, inlined
 _OUTPUT_TYPE = re.compile(r"Type \(tensor\((\w+)\)\) of output arg \([^)]*\) of node \(([^)]*)\) does not match "
                           r"expected type \(tensor\(float\)\)")
 
@@ -202,6 +204,8 @@ def _kernel_gap(model: onnx.ModelProto, e: Exception) -> str:
     elif found := _INPUT_TYPE.search(text):
         op = found.group(2)
         types &= {f"tensor({found.group(1)})"}
+    elif found := _BODY_TYPES.search(text):
+        return _body_gap(model, types & {f"tensor({found.group(1)})"})
     elif found := _OUTPUT_TYPE.search(text):
         node = next((n for n in model.graph.node if n.name == found.group(2) and not n.domain), None)
         if node is None:
@@ -222,6 +226,30 @@ def _kernel_gap(model: onnx.ModelProto, e: Exception) -> str:
         return f"the ONNX schema of {op}-{version} takes no {names}"
     how = "CPU kernel" if kernels else "CPU kernel (it runs the op's function body, in float32)"
     return f"onnxruntime {ort.__version__} has no {names} {how} for {op}-{version}"
+
+
+def _body_gap(model: onnx.ModelProto, types: set[str]) -> str:
+    """The reason for a type clash inside an inlined function body: the ops of the model that onnxruntime
+    runs through their (float32-constant) bodies, having no kernel computing in the model's type."""
+    from ..function_body import has_function_body
+
+    version = {o.domain or "": o.version for o in model.opset_import}.get("", 1)
+    def schema(op: str):
+        try:
+            return onnx.defs.get_schema(op, version, "")
+        except onnx.defs.SchemaError:
+            return None
+
+    ops = sorted({n.op_type for n in model.graph.node if not n.domain and has_function_body(schema(n.op_type))
+                  and not any(_computes_in(c, t) for lo, hi, c in _cpu_kernels().get(("", n.op_type), [])
+                              if lo <= version <= hi for t in types)})
+    if not types or not ops:
+        return ""
+    import onnxruntime as ort
+
+    names = "/".join(t[7:-1] for t in sorted(types))
+    return (f"onnxruntime {ort.__version__} has no {names} CPU kernel for {', '.join(ops)} (it runs the function "
+            "body, whose constants are float32)")
 
 
 def _exact_reference_ops() -> list:
