@@ -4,12 +4,13 @@ import pytest
 
 # whole modules: onnx's backend node cases, exported models and training trajectories against PyTorch,
 # big models with external data, random graphs, Netron and command-line subprocesses, shared case tables
-# run through forward mode, parameter policy on every exported model
+# run through forward mode, parameter policy on every exported model, data-parallel worker processes
 SLOW_MODULES = {
     "test_backend_cases",
     "test_big_models",
     "test_cli",
     "test_cli_errors",
+    "test_distributed",
     "test_forward_shared_cases",
     "test_models",
     "test_netron",
@@ -31,9 +32,28 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
+# the heaviest rule tables: in the inner loop, each test runs the first case of each op (every rule keeps a
+# case there); the op's other cases (attributes, opsets, dynamic shapes) run with the slow suites
+HEAVY_TABLES = {"test_rules_sampling", "test_rules_nn", "test_rules_recurrent", "test_rules_shape",
+                "test_rules_reduce", "test_rules_attention"}
+
+
+def _later_case_of_its_op(item, seen: set) -> bool:
+    case = getattr(getattr(item, "callspec", None), "params", {}).get("case")
+    if item.module.__name__ not in HEAVY_TABLES or not hasattr(case, "op"):
+        return False
+    key = (item.module.__name__, item.originalname, case.op)
+    if key in seen:
+        return True
+    seen.add(key)
+    return False
+
+
 def pytest_collection_modifyitems(config, items):
+    seen: set = set()
     for item in items:
-        if item.module.__name__ in SLOW_MODULES or any(s in item.originalname for s in SLOW_TESTS):
+        if (item.module.__name__ in SLOW_MODULES or any(s in item.originalname for s in SLOW_TESTS)
+                or _later_case_of_its_op(item, seen)):
             item.add_marker(pytest.mark.slow)
 
 
