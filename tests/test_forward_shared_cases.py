@@ -49,7 +49,7 @@ class _Runner(C.Runner):
     def _use_reference(self, reason: str) -> None:
         from onnx.reference import ReferenceEvaluator
 
-        self._sess = ReferenceEvaluator(self.model, new_ops=[*C._exact_reference_ops(), GatherElements])
+        self._sess = ReferenceEvaluator(self.model, new_ops=[*C._corrected_kernels(), GatherElements])
         self.backend, self.reason = "reference", reason
 
 

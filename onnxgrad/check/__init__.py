@@ -101,7 +101,7 @@ class Runner:
     def _use_reference(self, reason: str) -> None:
         from onnx.reference import ReferenceEvaluator
 
-        self._sess = ReferenceEvaluator(self.model, new_ops=_exact_reference_ops())
+        self._sess = ReferenceEvaluator(self.model, new_ops=_corrected_kernels())
         self.backend, self.reason = "reference", reason
 
     def __call__(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
@@ -252,7 +252,7 @@ def _body_gap(model: onnx.ModelProto, types: set[str]) -> str:
             "body, whose constants are float32)")
 
 
-def _exact_reference_ops() -> list:
+def _corrected_kernels() -> list:
     from .kernels import KERNELS
 
     return KERNELS
