@@ -7,7 +7,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .autodiff import grad
+from .autodiff import grad, gradient_spec
 from .errors import (
     InvalidModelError,
     NonFloatError,
@@ -44,6 +44,7 @@ __all__ = [
     "losses",
     "lower",
     "grad",
+    "gradient_spec",
     "jvp",
     "hvp",
     "jacrev",

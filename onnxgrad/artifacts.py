@@ -43,9 +43,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from . import graph as G
 from . import model as M
-from .autodiff import grad
+from .autodiff import grad, gradient_spec
 from .builder import Builder, NameScope, TensorInfo, Var
-from .check import gradient_spec
 from .errors import OnnxGradError, UnknownNameError
 from .files import copy_model
 from .optim import AdamW, Optimizer, UpdateContext

@@ -25,7 +25,10 @@ from .builder import Builder, NameScope, TensorInfo, Var, rename_tensors
 from .errors import NonFloatError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError
 from .registry import Node, Rule
 
-__all__ = ["grad"]
+__all__ = ["grad", "gradient_spec"]
+
+# The metadata keys the pass writes on a gradient model (JSON values), read back by gradient_spec.
+SPEC_KEYS = ("wrt", "of", "loss", "gradients", "seeds")
 
 
 def grad(
@@ -68,6 +71,12 @@ def grad(
     finally:
         if enabled:
             gc.enable()
+
+
+def gradient_spec(grad_model: onnx.ModelProto) -> dict:
+    """wrt, of, loss, gradient and seed names, as :func:`grad` recorded them in the model's metadata."""
+    meta = {p.key: p.value for p in grad_model.metadata_props}
+    return {k: json.loads(meta[f"onnxgrad.{k}"]) for k in SPEC_KEYS}
 
 
 def _has_shape(tp: onnx.TypeProto) -> bool:

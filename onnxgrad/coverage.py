@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import onnx.defs
 
+from .errors import OnnxGradError
 from .function_body import has_function_body
 from .model import MIN_OPSET
 from .registry import DIFFERENTIABLE, NON_DIFFERENTIABLE, all_rules
@@ -151,15 +153,37 @@ def _quietly(run, cases):
         ort.set_default_logger_severity(2)
 
 
+# onnx's backend node cases run through the test harness's tests/backend_cases.py: test support, which the
+# installed package does not ship; ``ops --cases`` finds it in a source checkout (an editable install).
+BACKEND_CASES = Path(__file__).resolve().parent.parent / "tests" / "backend_cases.py"
+
+
+def backend_cases():
+    """The test harness's backend-case module (``ops --cases``), or a clear error where it is not there."""
+    import importlib.util
+    import sys
+
+    if "backend_cases" in sys.modules:          # under pytest, tests/ is on the path
+        return sys.modules["backend_cases"]
+    if not BACKEND_CASES.is_file():
+        raise OnnxGradError(f"'ops --cases' runs onnx's backend node cases through the test harness "
+                            f"({BACKEND_CASES.parent.name}/{BACKEND_CASES.name}), which the installed package does "
+                            "not ship: run it from a source checkout (pip install -e .); 'ops' alone needs nothing")
+    spec = importlib.util.spec_from_file_location("backend_cases", BACKEND_CASES)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["backend_cases"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def print_table(run_cases: bool = False) -> int:
     rows = coverage()
     if run_cases:
-        from . import backend_cases
-
+        cases_module = backend_cases()
         by_op = {r.op_type: r for r in rows}
-        cases = [c for c in backend_cases.all_cases()
+        cases = [c for c in cases_module.all_cases()
                  if by_op.get(c.op_type) is not None and by_op[c.op_type].status == "rule"]
-        for case, outcome in zip(cases, _quietly(backend_cases.run_case, cases)):
+        for case, outcome in zip(cases, _quietly(cases_module.run_case, cases)):
             row = by_op[case.op_type]
             if outcome.status == "skip":
                 continue

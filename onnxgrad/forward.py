@@ -235,11 +235,12 @@ class _ForwardPass:
 # -- the numeric check --------------------------------------------------------------------
 def check_jvp(model: onnx.ModelProto, jvp_model: onnx.ModelProto, inputs: Mapping[str, np.ndarray] | None = None,
               *, rng: np.random.Generator | int = 0, eps: float = 1e-6,
-              run=None) -> tuple[dict[str, float], dict[str, np.ndarray]]:
+              run=None, reference: str = "") -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """Worst relative error of each tangent output against the central difference of the float64 forward
     model along random directions v: (f(x + h v) - f(x - h v)) / 2h. ``run(jvp_model, feeds)``
     evaluates the tangent graph (default: onnxruntime as it is; ``check.run_float64``: in float64).
-    Returns the errors and the directions used."""
+    ``reference``: the declared reason every run here uses onnx.reference (``check.check``'s). Returns the
+    errors and the directions used."""
     from . import check as C
 
     rng = np.random.default_rng(rng)
@@ -247,11 +248,12 @@ def check_jvp(model: onnx.ModelProto, jvp_model: onnx.ModelProto, inputs: Mappin
     spec = tangent_spec(jvp_model)
     wrt, of = list(spec["tangent_inputs"]), list(spec["tangents"])
     feeds = dict(inputs) if inputs is not None else C.random_inputs(model, rng)
+    declared = {"runtime": "reference", "reason": reference} if reference else {}
     model64 = C.to_float64(model)
     feeds64 = C.as_float64(feeds)
     inits = {i.name: onnx.numpy_helper.to_array(i) for i in model64.graph.initializer}
     inner = [w for w in wrt if w not in feeds64 and w not in inits]
-    base = C.Runner(C._with_outputs(model64, inner + of))(feeds64, inner + of)
+    base = C.Runner(C._with_outputs(model64, inner + of), **declared)(feeds64, inner + of)
     start = {w: feeds64[w] if w in feeds64 else inits[w] if w in inits else base[w] for w in wrt}
     dtypes = {i.name: i.type.tensor_type.elem_type for i in jvp_model.graph.input}
     directions = {}
@@ -261,8 +263,8 @@ def check_jvp(model: onnx.ModelProto, jvp_model: onnx.ModelProto, inputs: Mappin
     tfeeds = dict(feeds)
     tfeeds.update({spec["tangent_inputs"][w]: v for w, v in directions.items()})
     names = [spec["tangents"][y] for y in of]
-    values = C.Runner(jvp_model)(tfeeds, names) if run is None else run(jvp_model, tfeeds)
-    perturbable = C.Runner(C._as_inputs(model64, wrt))
+    values = C.Runner(jvp_model, **declared)(tfeeds, names) if run is None else run(jvp_model, tfeeds)
+    perturbable = C.Runner(C._as_inputs(model64, wrt), **declared)
     h = eps * max([1.0] + [float(np.max(np.abs(s), initial=0.0)) for s in start.values()])
 
     def at(sign: float) -> dict:

@@ -24,9 +24,8 @@ import onnx.version_converter
 from onnx import TensorProto, helper
 
 from . import model as M
-from .autodiff import grad
+from .autodiff import grad, gradient_spec
 from .builder import Builder, NameScope, TensorInfo, Var
-from .check import gradient_spec
 from .errors import InvalidModelError, UnsupportedOpError
 from .graph import live_nodes
 

@@ -8,16 +8,12 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
+from harness import make_model
 from onnxgrad.check import check, gradient_spec
 
 F = TensorProto.FLOAT
 
 
-def make(nodes, inputs, outputs, inits=(), opset=17):
-    g = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = 8
-    return m
 
 
 def init(name, *shape, seed=0):
@@ -37,7 +33,7 @@ def mlp(loss=True):
         nodes += [helper.make_node("Mul", ["y", "y"], ["sq"], name="sq"),
                   helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0, name="sum")]
         outputs = [helper.make_tensor_value_info("loss", F, [])]
-    return make(nodes, [helper.make_tensor_value_info("x", F, [4, 3])], outputs,
+    return make_model(nodes, [helper.make_tensor_value_info("x", F, [4, 3])], outputs,
                 [init("W1", 3, 5, seed=1), init("b1", 5, seed=2), init("W2", 5, 2, seed=3)])
 
 
@@ -127,7 +123,7 @@ def test_unsupported_ops_are_all_listed_at_once():
         helper.make_node("TheirOp", ["a"], ["b"], domain="other", name="theirs"),
         helper.make_node("Relu", ["b"], ["y"], name="relu"),
     ]
-    m = make(nodes, [helper.make_tensor_value_info("x", F, [3])], [helper.make_tensor_value_info("y", F, [3])])
+    m = make_model(nodes, [helper.make_tensor_value_info("x", F, [3])], [helper.make_tensor_value_info("y", F, [3])])
     m.opset_import.extend([helper.make_opsetid("custom", 1), helper.make_opsetid("other", 1)])
     with pytest.raises(onnxgrad.UnsupportedOpError) as e:
         onnxgrad.grad(m, wrt=["x"])
@@ -144,7 +140,7 @@ def test_integer_paths_stop_gradients():
         helper.make_node("Cast", ["xi"], ["xf"], to=F, name="to_float"),
         helper.make_node("Add", ["xf", "x"], ["y"], name="add"),
     ]
-    m = make(nodes, [helper.make_tensor_value_info("x", F, [3])], [helper.make_tensor_value_info("y", F, [3])])
+    m = make_model(nodes, [helper.make_tensor_value_info("x", F, [3])], [helper.make_tensor_value_info("y", F, [3])])
     gm = onnxgrad.grad(m, wrt=["x"])
     out = run(gm, {"x": np.array([0.3, 1.7, -2.2], np.float32), "y_grad": np.ones(3, np.float32)})
     np.testing.assert_array_equal(out["x_grad"], np.ones(3, np.float32))   # only the Add path counts
@@ -185,7 +181,7 @@ def test_opset_18_and_new_ir_version_model_loads_in_onnxruntime():
 
 def test_old_opset_is_upgraded(capsys):
     nodes = [helper.make_node("Mul", ["x", "x"], ["y"], name="sq")]
-    m = make(nodes, [helper.make_tensor_value_info("x", F, [3])], [helper.make_tensor_value_info("y", F, [3])],
+    m = make_model(nodes, [helper.make_tensor_value_info("x", F, [3])], [helper.make_tensor_value_info("y", F, [3])],
              opset=11)
     m.ir_version = 6
     gm = onnxgrad.grad(m, wrt=["x"])
@@ -210,7 +206,7 @@ def test_several_consumers_sum_once():
              helper.make_node("Tanh", ["x"], ["b"], name="t"),
              helper.make_node("Add", ["a", "b"], ["c"], name="a1"),
              helper.make_node("Add", ["c", "x"], ["y"], name="a2")]
-    m = make(nodes, [helper.make_tensor_value_info("x", F, [3])], [helper.make_tensor_value_info("y", F, [3])])
+    m = make_model(nodes, [helper.make_tensor_value_info("x", F, [3])], [helper.make_tensor_value_info("y", F, [3])])
     gm = onnxgrad.grad(m, wrt=["x"])
     sums = [n for n in gm.graph.node if n.op_type == "Sum"]
     assert len(sums) == 1 and len(sums[0].input) == 4     # x*x twice, tanh, identity

@@ -2,11 +2,10 @@
 
 Each case keeps onnx's model and integer inputs, draws float inputs from a
 domain where the op is smooth, and compares the gradient graph (onnxruntime,
-float32) with float64 central differences (see onnxgrad/backend_cases.py).
+float32) with float64 central differences (see tests/backend_cases.py).
 """
 import pytest
-
-from onnxgrad.backend_cases import cases_for_rules, run_case
+from backend_cases import cases_for_rules, run_case
 
 CASES = cases_for_rules()
 

@@ -7,6 +7,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from onnxgrad.errors import OnnxGradError
+
 F = TensorProto.FLOAT
 
 
@@ -105,9 +107,10 @@ def test_ops_cases_keep_stderr_clean(capfd, monkeypatch):
     """`ops --cases` probes onnxruntime and numpy on purpose (failing runs, NaNs): their logs and warnings
     stay off stderr. Stand-in cases make the noise a real case can make: a numpy RuntimeWarning and an
     onnxruntime warning log (an initializer that is also a graph input)."""
+    import backend_cases
     import onnxruntime as ort
 
-    from onnxgrad import backend_cases, coverage
+    from onnxgrad import coverage
 
     noisy = helper.make_model(helper.make_graph(
         [helper.make_node("Neg", ["w"], ["y"])], "g", [helper.make_tensor_value_info("w", TensorProto.FLOAT, [1])],
@@ -130,3 +133,16 @@ def test_ops_cases_keep_stderr_clean(capfd, monkeypatch):
     assert err == ""
     rows = {ln.split()[0]: ln.split() for ln in out.splitlines() if ln.split()}
     assert rows["Log"][3] == "1/1" and rows["Sqrt"][3] == "1/1"
+
+
+def test_ops_cases_without_the_test_harness_is_one_clear_error(tmp_path, monkeypatch, capsys):
+    """An installed package has no tests/backend_cases.py: `ops --cases` says so, `ops` alone still works."""
+    import sys
+
+    from onnxgrad import cli, coverage
+
+    monkeypatch.delitem(sys.modules, "backend_cases", raising=False)
+    monkeypatch.setattr(coverage, "BACKEND_CASES", tmp_path / "tests" / "backend_cases.py")
+    with pytest.raises(OnnxGradError, match=r"test harness \(tests/backend_cases.py\).*source checkout"):
+        cli.run_ops(["--cases"])
+    assert cli.run_ops([]) == 0 and "ai.onnx ops:" in capsys.readouterr().out

@@ -10,6 +10,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
+from harness import make_model
 from onnxgrad.check import check
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -17,9 +18,7 @@ RNG = np.random.default_rng(7)
 
 
 def model(nodes, inputs, outputs, inits=(), opset=17):
-    m = helper.make_model(helper.make_graph(nodes, "g", inputs, outputs, list(inits)),
-                          opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = 10
+    m = make_model(nodes, inputs, outputs, inits, opset)
     onnx.checker.check_model(m, full_check=True)
     return m
 

@@ -102,7 +102,7 @@ def _grad_model(ex: Exported) -> onnx.ModelProto:
 
 # -- onnx.reference, as the spec says ---------------------------------------------------------
 # The numeric checker runs float64 models in onnx.reference wherever onnxruntime has no
-# float64 kernel (Conv, LSTM, ...), with the core's corrected kernels (onnxgrad.reference_ops:
+# float64 kernel (Conv, LSTM, ...), with the core's corrected kernels (onnxgrad.check.kernels:
 # Erf, Gelu, LRN, LayerNormalization, BatchNormalization-9...).
 def test_reference_kernels_follow_the_spec():
     """The kernels the numeric checks rely on, in float64, against the formulas of the spec."""
@@ -124,7 +124,7 @@ def test_reference_kernels_follow_the_spec():
         inputs = [helper.make_tensor_value_info(k, onnx.TensorProto.DOUBLE, None) for k in ["x", *params]]
         graph = helper.make_graph([node], "t", inputs, [helper.make_tensor_value_info("y", onnx.TensorProto.DOUBLE, None)])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
-        got = Runner(model, prefer="reference")({"x": x, **params})["y"]
+        got = Runner(model, runtime="reference", reason="the corrected kernels under test")({"x": x, **params})["y"]
         # 1e-7: the core's LRN divides alpha by size in float32 (the attribute's type): 1.7e-8 off
         np.testing.assert_allclose(got, want, rtol=1e-7, atol=1e-12, err_msg=node.op_type)
 
@@ -139,7 +139,7 @@ def test_exported_models_present():
 
 def _reference64(model: onnx.ModelProto) -> Callable[[dict], dict]:
     """The float64 model in onnx.reference, with the core's exact kernels."""
-    return Runner(to_float64(model), prefer="reference")
+    return Runner(to_float64(model), runtime="reference", reason="the float64 truth with the corrected kernels")
 
 
 @pytest.mark.parametrize("stem", EXPORTED)

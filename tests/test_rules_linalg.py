@@ -4,8 +4,7 @@ import onnx
 import pytest
 
 import onnxgrad
-from harness import Case, case_model, randn, run_case, run_second_order
-from test_rules_reduce import run_declared
+from harness import Case, case_model, randn, run_case, run_declared, run_second_order
 
 MATMUL = [
     Case("MatMul", [randn(3, 4), randn(4, 5)], id="2d"),
@@ -142,7 +141,7 @@ def test_gemm_gradients_are_gemms():
 
 @pytest.mark.parametrize("case,shapes", DECLARED, ids=[str(c) for c, _ in DECLARED])
 def test_declared_shapes(case, shapes):
-    run_declared(case, shapes)
+    run_declared(case, shapes=shapes)
 
 
 SECOND_ORDER = [

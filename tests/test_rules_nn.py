@@ -2,7 +2,7 @@
 
 The numeric truth is central differences of the float64 forward, run by onnxruntime where it
 has float64 kernels (MaxPool, RoiAlign, DeformConv) and by onnx.reference otherwise. Some
-onnx.reference kernels are wrong or missing for these ops; onnxgrad/reference_ops.py corrects them
+onnx.reference kernels are wrong or missing for these ops; onnxgrad/check/kernels.py corrects them
 for the checker, and ``test_forward_matches_onnxruntime`` checks every case's forward
 (fixes included) against onnxruntime's float32 kernels, so the truth is what users run.
 Window configurations where onnxruntime and onnx.reference disagree (ConvTranspose with a
@@ -212,11 +212,12 @@ CASES = [
          attrs=dict(kernel_shape=[2], strides=[2]), opset=13, id="1d"),
     # output_shape larger than the default (MaxPool of a 5x5 image): indices address the output_shape tensor,
     # as onnxruntime and PyTorch's max_unpool2d(output_size=) read them (onnx.reference and the backend
-    # case's expected data read them in the default 4x4 shape: see onnxgrad/reference_ops.py's MaxUnpool)
+    # case's expected data read them in the default 4x4 shape: see onnxgrad/check/kernels.py's MaxUnpool)
     Case("MaxUnpool", [randn(1, 2, 2, 2), _indices(distinct(1, 2, 5, 5), kernel_shape=[2, 2], strides=[2, 2]),
                        np.array([1, 2, 5, 5])], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]), id="output-shape"),
     Case("LRN", [randn(2, 5, 3, 4)], attrs=dict(size=3, alpha=0.3, beta=0.75, bias=1.5), id="size3"),
-    Case("LRN", [randn(2, 6, 3, 4)], attrs=dict(size=4, alpha=0.5, beta=0.6, bias=2.0), id="size4-even"),
+    Case("LRN", [randn(2, 6, 3, 4)], attrs=dict(size=4, alpha=0.5, beta=0.6, bias=2.0), id="size4-even",
+         reference="onnxruntime's LRN kernel takes an odd size only"),
     Case("LRN", [randn(1, 4, 5, 3)], attrs=dict(size=5, alpha=0.5, beta=1.2), unknown_shapes=True, id="dynamic"),
     # RoI pooling (RoIs and batch indices get no gradient)
     Case("MaxRoiPool", [distinct(2, 3, 6, 7), _BATCHED_ROIS], attrs=dict(pooled_shape=[2, 3]), opset=16, wrt=[0],

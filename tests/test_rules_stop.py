@@ -6,7 +6,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from harness import randn
+from harness import make_model, randn
 from onnxgrad.check import Runner, check
 from onnxgrad.registry import DIFFERENTIABLE, all_rules, get_schema
 
@@ -14,10 +14,7 @@ F32 = TensorProto.FLOAT
 
 
 def _model(nodes, inputs, outputs, inits=(), opset=18):
-    g = helper.make_graph(nodes, "m", inputs, outputs, list(inits))
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = onnxgrad.model.emitted_ir_version(m)
-    return m
+    return make_model(nodes, inputs, outputs, inits, opset)
 
 
 def _vi(name, shape, dtype=F32):

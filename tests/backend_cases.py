@@ -8,6 +8,14 @@ random float inputs at the case's shapes from a domain that suits the op
 gradients of every float output with respect to every differentiable float
 input. ``_expanded`` variants (the op written as its function body) are
 checked the same way, which exercises the rules of the ops in that body.
+
+Every model runs in onnxruntime, with one declared exception besides the element-type ones
+:class:`onnxgrad.check.Runner` declares itself: a case whose forward model onnxruntime cannot run (an op
+it has no kernel for at the case's opset, an attribute its kernel rejects) runs in onnx.reference, and
+its outcome says so. A gradient graph onnxruntime refuses while it runs the forward is a failure.
+
+Test support: the test suite and ``python -m onnxgrad ops --cases`` (from a source checkout) use it;
+the installed package does not ship it.
 """
 from __future__ import annotations
 
@@ -21,11 +29,12 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from .builder import FLOAT_TYPES
-from .check import Runner, check, is_float_array, run_float64, to_float64
-from .graph import differentiable_positions
-from .model import RUNTIME_MAX_OPSET, has_subgraph, load, opset_of
-from .registry import NON_DIFFERENTIABLE, get_rule, get_schema
+import onnxgrad
+from onnxgrad.builder import FLOAT_TYPES
+from onnxgrad.check import Runner, RuntimeRefusedError, check, gradient_spec, is_float_array, run_float64, to_float64
+from onnxgrad.graph import differentiable_positions
+from onnxgrad.model import RUNTIME_MAX_OPSET, has_subgraph, load, opset_of
+from onnxgrad.registry import NON_DIFFERENTIABLE, get_rule, get_schema
 
 # Worst relative error accepted, by the precision the gradient graph computes in.
 TOLERANCE = {"float64": 1e-5, "float32": 2e-3, "float16": 1e-2, "bfloat16": 5e-2}
@@ -145,8 +154,6 @@ def run_case(case: BackendCase, seed: int = 0) -> Outcome:
     Gradients computed in float16/bfloat16 are checked through the same gradient graph
     in float64 (the rules' math, tightly), after a run in the case's own precision.
     """
-    import onnxgrad
-
     rule = _rule(case.op_type)
     if rule is None or rule.stop:
         return Outcome(case.name, case.op_type, "skip", "no rule")
@@ -170,25 +177,32 @@ def run_case(case: BackendCase, seed: int = 0) -> Outcome:
     model = _integers_as_constants(model, feeds)
     constants = {i.name for i in model.graph.initializer}
     feeds = {k: v for k, v in feeds.items() if k not in constants}
-    forward = Runner(model)(feeds, of)
+    reference = ""              # why this case runs in onnx.reference, if it does
+    try:
+        forward = Runner(model)(feeds, of)
+    except RuntimeRefusedError as e:
+        reference = f"onnxruntime cannot run the forward model: {e.detail[:200]}"
+        forward = Runner(model, runtime="reference", reason=reference)(feeds, of)
     if not all(np.isfinite(np.asarray(v, np.float64)).all() for v in forward.values()):
         return Outcome(case.name, case.op_type, "skip", "forward is not finite at the case's inputs")
-    disagreement = _runtimes_disagree(model, feeds, forward)
+    disagreement = "" if reference else _runtimes_disagree(model, feeds, forward)
     if disagreement:
         return Outcome(case.name, case.op_type, "skip", disagreement)
     low_precision = {feeds[w].dtype.name for w in wrt} | {_np_name(o) for o in model.graph.output if o.name in of}
     low_precision &= {"float16", "bfloat16"}
     try:
         gm = onnxgrad.grad(model, wrt=wrt, of=of, allow_unused=True)
+        declared = {"runtime": "reference", "reason": reference} if reference else {}
         if low_precision:
-            native = Runner(gm)({**feeds, **_seeds(gm, forward)})
+            native = Runner(gm, **declared)({**feeds, **_seeds(gm, forward)})
             if not all(np.isfinite(np.asarray(v, np.float64)).all() for v in native.values()):
                 if _nan_inside(model, feeds):
                     return Outcome(case.name, case.op_type, "skip", NAN_INSIDE)
                 return Outcome(case.name, case.op_type, "fail", f"non-finite gradient in {sorted(low_precision)}")
-            result = check(model, gm, feeds, rng=seed, max_elements=48, directions=3, analytic_run=run_float64)
+            result = check(model, gm, feeds, rng=seed, max_elements=48, directions=3, analytic_run=run_float64,
+                           reference=reference)
         else:
-            result = check(model, gm, feeds, rng=seed, max_elements=48, directions=3)
+            result = check(model, gm, feeds, rng=seed, max_elements=48, directions=3, reference=reference)
     except onnxgrad.UnsupportedOpError as e:
         inner = {n.op_type for n in model.graph.node if has_subgraph(n)} if case.expanded else set()
         if set(e.ops) <= {case.op_type} | inner and set(e.ops) <= set(e.reasons):
@@ -205,7 +219,16 @@ def run_case(case: BackendCase, seed: int = 0) -> Outcome:
     tolerance = max(TOLERANCE.get(p, TOLERANCE["float32"]) for p in precisions)
     if not result.ok(tolerance):
         return Outcome(case.name, case.op_type, "fail", f"errors {result.errors}", result.worst)
-    return Outcome(case.name, case.op_type, "pass", result.backend, result.worst)
+    return Outcome(case.name, case.op_type, "pass", runtimes(result), result.worst)
+
+
+def runtimes(result) -> str:
+    """Which runtime ran the gradient graph and the float64 forward, with the declared reasons."""
+    def one(backend: str, reason: str) -> str:
+        return f"{backend} ({reason})" if reason else backend
+
+    return (f"gradients: {one(result.grad_backend, result.grad_reason)}; "
+            f"float64 forward: {one(result.backend, result.reason)}")
 
 
 def _runtimes_disagree(model: onnx.ModelProto, feeds: dict, forward: dict) -> str:
@@ -214,7 +237,8 @@ def _runtimes_disagree(model: onnx.ModelProto, feeds: dict, forward: dict) -> st
     truth = Runner(to_float64(model))
     if truth.backend != "reference":
         return ""
-    reference = Runner(model, prefer="reference")(feeds, list(forward))
+    reference = Runner(model, runtime="reference", reason="the forward compared with onnxruntime's")(
+        feeds, list(forward))
     for name, value in forward.items():
         a, b = np.asarray(value, np.float64), np.asarray(reference[name], np.float64)
         if a.shape != b.shape or np.max(np.abs(a - b), initial=0.0) > 1e-2 * (1 + np.max(np.abs(a), initial=0.0)):
@@ -271,8 +295,6 @@ def _np_name(vi: onnx.ValueInfoProto) -> str:
 
 
 def _seeds(gm: onnx.ModelProto, forward: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    from .check import gradient_spec
-
     return {seed: np.ones_like(forward[o]) for o, seed in gradient_spec(gm)["seeds"].items()}
 
 
@@ -283,7 +305,7 @@ def _nan_inside(model: onnx.ModelProto, feeds: dict) -> bool:
     m.CopyFrom(model)
     del m.graph.output[:]
     m.graph.output.extend(helper.make_empty_tensor_value_info(o) for o in names)
-    values = Runner(m, prefer="reference")(feeds)
+    values = Runner(m, runtime="reference", reason="every intermediate tensor of the forward")(feeds)
     return any(is_float_array(v) and np.isnan(np.asarray(v, np.float64)).any() for v in values.values())
 
 

@@ -1,8 +1,11 @@
 """Corrections to onnx.reference kernels, so the float64 numeric truth is right.
 
 ``onnx.reference`` is where the checker evaluates float64 models that onnxruntime
-has no kernels for. Some of its kernels are wrong or missing; these replace them
-(passed as ``new_ops``, nothing is patched globally). Each says what it fixes.
+has no kernels for (:class:`onnxgrad.check.Runner` says when, and why). Some of its
+kernels are wrong or missing; these replace them (passed as ``new_ops``, nothing is
+patched globally). Each says what it fixes and the onnx release it was found in
+(onnx 1.23, the release CI tests: see pyproject.toml); when a newer onnx fixes one,
+it can go (``tests/test_models.py`` checks several against closed forms).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ _erf = np.vectorize(math.erf, otypes=[np.float64])
 
 
 class Erf(OpRun):
-    """onnx.reference's erf is a float32 approximation."""
+    """onnx.reference's erf is a float32 approximation (onnx 1.23)."""
 
     op_domain = ""
 
@@ -27,7 +30,7 @@ class Erf(OpRun):
 
 
 class Gelu(OpRun):
-    """Exact in float64 (onnx.reference's uses its float32 erf)."""
+    """Exact in float64 (onnx.reference's uses its float32 erf: onnx 1.23)."""
 
     op_domain = ""
 
@@ -40,7 +43,7 @@ class Gelu(OpRun):
 
 
 class ConvTranspose(op_conv_transpose.ConvTranspose):
-    """onnx.reference splits W by output channels for group > 1; W is split by input channels."""
+    """onnx.reference splits W by output channels for group > 1; W is split by input channels (onnx 1.23)."""
 
     op_domain = ""
 
@@ -57,7 +60,7 @@ class ConvTranspose(op_conv_transpose.ConvTranspose):
 
 
 class LRN(OpRun):
-    """onnx.reference sums its window over the batch axis (and takes 4-D only)."""
+    """onnx.reference sums its window over the batch axis (and takes 4-D only) (onnx 1.23)."""
 
     op_domain = ""
 
@@ -70,7 +73,7 @@ class LRN(OpRun):
 
 
 class GlobalLpPool(OpRun):
-    """Missing from onnx.reference."""
+    """Missing from onnx.reference (onnx 1.23)."""
 
     op_domain = ""
 
@@ -80,7 +83,7 @@ class GlobalLpPool(OpRun):
 
 
 class MaxRoiPool(OpRun):
-    """Missing from onnx.reference; onnxruntime's (Caffe's) bins."""
+    """Missing from onnx.reference (onnx 1.23); onnxruntime's (Caffe's) bins."""
 
     op_domain = ""
 
@@ -107,7 +110,7 @@ class MaxRoiPool(OpRun):
         return (y,)
 
 
-# -- RNN, GRU, LSTM: onnx.reference ignores sequence_lens, clip and most activations ------------
+# -- RNN, GRU, LSTM: onnx.reference ignores sequence_lens, clip and most activations (onnx 1.23) --
 def _act(name: str, alpha, beta):
     return {
         "relu": lambda z: np.maximum(z, 0),
@@ -218,9 +221,9 @@ _RECURRENT = [_reference_op(op) for op in ("RNN", "GRU", "LSTM")]
 
 
 class CausalConvWithState(_RefCausalConv):
-    op_domain = ""
+    """onnx.reference's op with its SiLU in the input's precision (it computes it in float32: onnx 1.23)."""
 
-    """onnx.reference's op with its SiLU in the input's precision (it computes it in float32)."""
+    op_domain = ""
 
     def _run(self, input, weight, bias=None, past_state=None, activation=None):
         out, present = super()._run(input, weight, bias, past_state, "none")
@@ -229,7 +232,7 @@ class CausalConvWithState(_RefCausalConv):
         return out, present
 
 
-# -- LinearAttention: onnx.reference computes the recurrence in float32 ------------------------
+# -- LinearAttention: onnx.reference computes the recurrence in float32 (onnx 1.23) -------------
 def linear_attention(q, k, v, past=None, decay=None, beta=None, *, q_num_heads, kv_num_heads,
                       update_rule="gated_delta", scale=0.0):
     """The LinearAttention recurrence, step by step in the inputs' precision."""
@@ -265,8 +268,8 @@ class LinearAttention(OpRun):
 
 
 class DynamicQuantizeLinear(OpRun):
-    """onnx.reference computes y_scale in float32 whatever x is: central differences of a float64 copy need it
-    in x's precision (onnx's formula otherwise)."""
+    """onnx.reference computes y_scale in float32 whatever x is (onnx 1.23): central differences of a float64
+    copy need it in x's precision (onnx's formula otherwise)."""
 
     op_domain = ""
 
@@ -279,7 +282,7 @@ class DynamicQuantizeLinear(OpRun):
 
 
 class MaxUnpool(OpRun):
-    """onnx.reference ignores output_shape when it scatters (it fills the default shape)."""
+    """onnx.reference ignores output_shape when it scatters (it fills the default shape) (onnx 1.23)."""
 
     op_domain = ""
 
@@ -299,7 +302,8 @@ class MaxUnpool(OpRun):
 
 
 class MeanVarianceNormalization(OpRun):
-    """onnx.reference runs the function body, whose epsilon is a float32 constant: not float64-clean."""
+    """onnx.reference runs the function body, whose epsilon is a float32 constant: not float64-clean
+    (onnx 1.23)."""
 
     op_domain = ""
 
@@ -311,7 +315,8 @@ class MeanVarianceNormalization(OpRun):
 
 
 class LayerNormalization(OpRun):
-    """onnx.reference refuses stash_type other than float32; the float64 check needs double statistics."""
+    """onnx.reference refuses stash_type other than float32 (onnx 1.23); the float64 check needs double
+    statistics."""
 
     op_domain = ""
 
@@ -331,7 +336,7 @@ class LayerNormalization(OpRun):
 
 class BatchNormalization(op_batch_normalization.BatchNormalization_14):
     """onnx.reference's BatchNormalization-9 uses batch statistics whenever momentum is set, and it
-    always is (default 0.9). The op is in inference mode unless training_mode=1 (opset 14+) or,
+    always is (default 0.9) (onnx 1.23). The op is in inference mode unless training_mode=1 (opset 14+) or,
     before 14, the node asks for the training outputs."""
 
     op_domain = ""
@@ -352,7 +357,7 @@ class BatchNormalization(op_batch_normalization.BatchNormalization_14):
 
 class Loop(op_loop.Loop):
     """Scan outputs stacked on a new axis 0 ([T, *shape]), as the spec and onnxruntime do: onnx.reference
-    uses np.vstack, which gives [T, 1] for scalars and [T * d0, ...] for tensors of rank 2 and more."""
+    uses np.vstack, which gives [T, 1] for scalars and [T * d0, ...] for tensors of rank 2 and more (onnx 1.23)."""
 
     op_domain = ""
 

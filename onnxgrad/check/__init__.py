@@ -2,107 +2,36 @@
 
 The forward model is copied to float64 (every float tensor, constant and cast)
 and evaluated at ``x ± h`` by onnxruntime where it has float64 kernels and by
-``onnx.reference`` where it has not. The objective is the loss, or
+``onnx.reference`` where it has not (:mod:`onnxgrad.check.runtime` decides, and
+says why; nothing switches runtime silently). The objective is the loss, or
 ``sum(seed * output)`` for seeded outputs, so one scalar checks a full
 vector-Jacobian product. Small tensors are checked element by element, large
 ones along random directions.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
 import numpy as np
 import onnx
+import onnx.defs
 from onnx import TensorProto, helper, numpy_helper
 
-from .builder import FLOAT_TYPES
-from .files import runnable
+from ..autodiff import gradient_spec  # noqa: F401  (re-exported: it lived here)
+from ..builder import FLOAT_TYPES
+from .runtime import (  # noqa: F401
+    _FLOAT_TYPE_STRS,
+    FLOAT64_IN_REFERENCE,
+    Runner,
+    RuntimeRefusedError,
+    _corrected_kernels,  # noqa: F401  (test_forward_shared_cases extends them)
+)
 
 _TO_DOUBLE = {t: TensorProto.DOUBLE for t in FLOAT_TYPES}
 # Gradients smaller than this are compared in absolute terms: a gradient that is zero
 # up to rounding (1e-8 against 1e-9) is not a relative error of 1000%.
 ABS_FLOOR = 1e-4
-
-
-# -- running models -------------------------------------------------------------------
-# onnxruntime's float64 kernels for these are missing at run time (RNN, GRU, LSTM accept a float64
-# session, then fail) or depart from the spec (Attention: NaN for fully masked rows, a top-left
-# causal frontier with nonpad_kv_seqlen): float64 models with them run in onnx.reference.
-_REFERENCE_FOR_FLOAT64 = frozenset({"Attention", "RNN", "GRU", "LSTM"})
-
-
-class Runner:
-    """Runs a model with onnxruntime (CPU) when it loads and runs there, else with onnx.reference.
-
-    onnx.reference runs with the corrected kernels of :mod:`onnxgrad.reference_ops`.
-    """
-
-    def __init__(self, model: onnx.ModelProto, prefer: str = "onnxruntime", strict: bool = False):
-        self.model = model
-        self.strict = strict         # onnxruntime or an error: no silent switch to onnx.reference
-        self.outputs = [o.name for o in model.graph.output]
-        self._inputs = {i.name for i in model.graph.input}
-        self.backend = None
-        if prefer == "onnxruntime" and not _float64_with(model, _REFERENCE_FOR_FLOAT64):
-            try:
-                import onnxruntime as ort
-
-                opts = ort.SessionOptions()
-                opts.log_severity_level = 3
-                with runnable(model) as source:     # a model over 2 GB: by path, its data beside it
-                    self._sess = ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
-                self.backend = "onnxruntime"
-            except Exception:
-                if strict:
-                    raise
-                self.backend = None
-        if self.backend is None:
-            self._use_reference()
-
-    def _use_reference(self) -> None:
-        from onnx.reference import ReferenceEvaluator
-
-        self._sess = ReferenceEvaluator(self.model, new_ops=_exact_reference_ops())
-        self.backend = "reference"
-
-    def __call__(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
-        names = outputs or self.outputs
-        feeds = {k: v for k, v in feeds.items() if k in self._inputs}
-        try:
-            if self.backend == "onnxruntime":
-                values = self._sess.run(names, feeds, _quiet_run_options())
-            else:
-                values = self._sess.run(names, feeds)
-        except Exception:
-            if self.backend != "onnxruntime" or self.strict:
-                raise
-            self._use_reference()          # loaded in onnxruntime, but a kernel refused at run time
-            values = self._sess.run(names, feeds)
-        return dict(zip(names, values))
-
-
-def _quiet_run_options():
-    """Run options that keep onnxruntime's error log of a failed run (we report it, or fall back) off stderr."""
-    import onnxruntime as ort
-
-    opts = ort.RunOptions()
-    opts.log_severity_level = 4
-    return opts
-
-
-def _float64_with(model: onnx.ModelProto, ops: frozenset) -> bool:
-    g = model.graph
-    double = any(vi.type.tensor_type.elem_type == TensorProto.DOUBLE for vi in g.input) or any(
-        t.data_type == TensorProto.DOUBLE for t in g.initializer)
-    return double and any(node.op_type in ops for node in g.node)
-
-
-def _exact_reference_ops() -> list:
-    from .reference_ops import KERNELS
-
-    return KERNELS
 
 
 # -- float64 copy ---------------------------------------------------------------------
@@ -112,13 +41,17 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
     m.CopyFrom(model)
     g = m.graph
     del g.value_info[:]
+    keep = _float32_only(m)         # Resize's scales: float32 whatever the data's type
+    opsets = {o.domain or "": o.version for o in m.opset_import}
     for vi in list(g.input) + list(g.output):
-        _type_to_double(vi.type)
+        if vi.name not in keep:
+            _type_to_double(vi.type)
     for i, init in enumerate(g.initializer):
-        if init.data_type in _TO_DOUBLE:
+        if init.data_type in _TO_DOUBLE and init.name not in keep:
             g.initializer[i].CopyFrom(_double_tensor(init))
     for node in g.node:
-        _node_to_double(node)
+        if not (node.op_type == "Constant" and node.output[0] in keep):
+            _node_to_double(node, opsets)
     return m
 
 
@@ -126,6 +59,28 @@ def to_float64(model: onnx.ModelProto) -> onnx.ModelProto:
 # LayerNormalization and Attention compute their statistics and softmax in.
 _TYPE_ATTRIBUTES = frozenset({"to", "dtype", "stash_type", "softmax_precision"})
 _STASHING = frozenset({"LayerNormalization", "GroupNormalization", "RMSNormalization"})
+
+
+def _float32_only(model: onnx.ModelProto) -> set[str]:
+    """Names of float inputs and initializers read only where the op's schema fixes their type to float32
+    (Resize's scales), whatever the data's: a float64 copy keeps them as they are."""
+    opsets = {o.domain or "": o.version for o in model.opset_import}
+    fixed, flexible = set(), set()
+    for node in model.graph.node:
+        try:
+            schema = onnx.defs.get_schema(node.op_type, opsets.get(node.domain or "", 1), node.domain or "")
+        except onnx.defs.SchemaError:
+            flexible.update(node.input)
+            continue
+        allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+        for i, name in enumerate(node.input):
+            if not schema.inputs or not name:
+                continue
+            param = schema.inputs[min(i, len(schema.inputs) - 1)]
+            # a concrete type (Resize's scales: tensor(float)), not a type variable the data sets
+            concrete = param.type_str not in allowed and param.type_str in _FLOAT_TYPE_STRS
+            (fixed if concrete and param.type_str != "tensor(double)" else flexible).add(name)
+    return fixed - flexible
 
 
 def _type_to_double(tp: onnx.TypeProto) -> None:
@@ -144,7 +99,7 @@ def _double_tensor(t: onnx.TensorProto) -> onnx.TensorProto:
     return numpy_helper.from_array(arr, t.name)
 
 
-def _node_to_double(node: onnx.NodeProto) -> None:
+def _node_to_double(node: onnx.NodeProto, opsets: dict[str, int] | None = None) -> None:
     for a in node.attribute:
         if a.type == onnx.AttributeProto.TENSOR and a.t.data_type in _TO_DOUBLE:
             a.t.CopyFrom(_double_tensor(a.t))
@@ -157,13 +112,26 @@ def _node_to_double(node: onnx.NodeProto) -> None:
                 _subgraph_to_double(sg)
     if node.op_type == "ConstantOfShape" and not node.attribute:     # float32 zeros by default
         node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(np.zeros(1, np.float64))))
-    if node.op_type in _STASHING and not any(a.name == "stash_type" for a in node.attribute):
+    if node.op_type in _STASHING and not any(a.name == "stash_type" for a in node.attribute) and _has_attribute(
+            node, "stash_type", opsets):
         node.attribute.append(helper.make_attribute("stash_type", TensorProto.DOUBLE))  # default: float32
     if node.op_type == "Constant" and node.attribute[0].name in ("value_float", "value_floats"):
         a = node.attribute[0]
         value = np.array(a.f if a.name == "value_float" else list(a.floats), np.float64)
         del node.attribute[:]
         node.attribute.append(helper.make_attribute("value", numpy_helper.from_array(value)))
+
+
+def _has_attribute(node: onnx.NodeProto, name: str, opsets: dict[str, int] | None) -> bool:
+    """Whether the node's schema, at the model's opset, has this attribute (GroupNormalization-18 has no
+    stash_type; 21 has). Without the opsets (a subgraph), assume so."""
+    if opsets is None:
+        return True
+    try:
+        schema = onnx.defs.get_schema(node.op_type, opsets.get(node.domain or "", 1), node.domain or "")
+    except onnx.defs.SchemaError:
+        return False
+    return name in schema.attributes
 
 
 def _subgraph_to_double(g: onnx.GraphProto) -> None:
@@ -224,6 +192,11 @@ def run_float64(model: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict
     """Run ``model`` computing in float64 (its float64 copy, float feeds converted): the tight check
     of a gradient graph's math, as ``check(..., analytic_run=run_float64)``."""
     return Runner(to_float64(model))(as_float64(feeds))
+
+
+def _declared(reference: str) -> dict:
+    """Runner arguments: onnx.reference for a declared reason, else onnxruntime (element types aside)."""
+    return {"runtime": "reference", "reason": reference} if reference else {}
 
 
 # -- inputs ---------------------------------------------------------------------------
@@ -312,8 +285,10 @@ class CheckResult:
     analytic: dict[str, np.ndarray]
     numeric: dict[str, np.ndarray] = field(default_factory=dict)
     backend: str = ""               # what ran the float64 forward model
-    grad_backend: str = ""          # what ran the gradient model
+    grad_backend: str = ""          # what ran the gradient model: "onnxruntime", "reference" or "analytic_run"
     joint: float | None = None      # worst error along directions over every wrt tensor at once (sample=)
+    reason: str = ""                # why the forward ran in onnx.reference ("" when onnxruntime ran it)
+    grad_reason: str = ""           # why the gradient model did
 
     @property
     def worst(self) -> float:
@@ -322,12 +297,6 @@ class CheckResult:
     def ok(self, tol: float) -> bool:
         errors = list(self.errors.values()) + ([self.joint] if self.joint is not None else [])
         return all(np.isfinite(e) and e <= tol for e in errors)
-
-
-def gradient_spec(grad_model: onnx.ModelProto) -> dict:
-    """wrt, of, loss, gradient and seed names, as the pass recorded them in metadata_props."""
-    meta = {p.key: p.value for p in grad_model.metadata_props}
-    return {k: json.loads(meta[f"onnxgrad.{k}"]) for k in ("wrt", "of", "loss", "gradients", "seeds")}
 
 
 def check(
@@ -342,6 +311,7 @@ def check(
     analytic_run: Callable[[onnx.ModelProto, dict], dict] | None = None,
     sample: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    reference: str = "",
 ) -> CheckResult:
     """Compare ``grad_model``'s gradients (run in onnxruntime) with central differences of ``model``.
 
@@ -350,9 +320,11 @@ def check(
     ``sample``: check at most that many wrt tensors one by one (a random choice), and every one of
     them together along ``directions`` random directions (``CheckResult.joint``): a bounded number
     of forward runs for models with hundreds of parameters. ``progress(done, total)`` is called
-    after each forward run pair.
+    after each forward run pair. Every model runs in onnxruntime, except where onnx.reference is
+    declared: by ``reference`` (the reason, for every run of this check) or, automatically, by the element
+    type (see :class:`Runner`); the result records which runtime ran what, and why.
     """
-    from .model import load
+    from ..model import load
 
     rng = np.random.default_rng(rng)
     model = load(model)          # what grad() differentiates: opsets below 13 upgraded, functions inlined
@@ -365,7 +337,8 @@ def check(
     targets = [loss] if loss else list(of)
     inits = {i.name: numpy_helper.to_array(i) for i in model64.graph.initializer}
     intermediates = [w for w in wrt if w not in feeds64 and w not in inits]
-    base = Runner(_with_outputs(model64, intermediates + targets))(feeds64, intermediates + targets)
+    declared = _declared(reference)
+    base = Runner(_with_outputs(model64, intermediates + targets), **declared)(feeds64, intermediates + targets)
     start = {w: feeds64[w] if w in feeds64 else inits[w] if w in inits else base[w] for w in wrt}
     gfeeds = dict(feeds)
     out_dtype = {o.name: o.type.tensor_type.elem_type for o in grad_model.graph.output}
@@ -376,11 +349,12 @@ def check(
         gfeeds[spec["seeds"][o]] = seed
         seeds64[o] = seed.astype(np.float64)                            # and the same values for the truth
     grad_names = [spec["gradients"][w] for w in wrt]
-    grad_backend = "analytic_run"
-    if analytic_run is None:
-        grad_runner = Runner(grad_model)
-        values = grad_runner(gfeeds, grad_names)
-        grad_backend = grad_runner.backend
+    grad_backend, grad_reason = "analytic_run", ""
+    if analytic_run is None or analytic_run is run_float64:      # a run whose runtime is recorded
+        in64 = analytic_run is run_float64
+        grad_runner = Runner(to_float64(grad_model) if in64 else grad_model, **declared)
+        values = grad_runner(as_float64(gfeeds) if in64 else gfeeds, grad_names)
+        grad_backend, grad_reason = grad_runner.backend, grad_runner.reason
     else:
         values = analytic_run(grad_model, gfeeds)
     analytic = {w: np.asarray(values[g], np.float64) for w, g in zip(wrt, grad_names)}
@@ -388,9 +362,9 @@ def check(
     # inputs and initializers are perturbed in one model; an intermediate tensor in a model of its own
     # where it alone is cut from its producer (the other wrt tensors still follow what they depend on)
     leaves = [w for w in wrt if w not in intermediates]
-    runners = {None: Runner(_as_inputs(model64, leaves))}
+    runners = {None: Runner(_as_inputs(model64, leaves), **declared)}
     for w in intermediates:
-        runners[w] = Runner(_as_inputs(model64, leaves + [w]))
+        runners[w] = Runner(_as_inputs(model64, leaves + [w]), **declared)
     point = dict(feeds64)
     point.update({w: np.asarray(start[w], np.float64) for w in leaves})
     errors, numeric = {}, {}
@@ -453,7 +427,8 @@ def check(
                              analytic, objective_of=lambda out: float(np.sum(out[loss])) if loss else float(
                                  sum(np.sum(seeds64[o] * out[o]) for o in of)),
                              targets=targets, rng=rng, eps=eps, directions=directions, tick=tick)
-    return CheckResult(errors, analytic, numeric, runners[None].backend, grad_backend, joint)
+    return CheckResult(errors, analytic, numeric, runners[None].backend, grad_backend, joint, runners[None].reason,
+                       grad_reason)
 
 
 def _joint_error(run: "Runner", point: dict, names: list[str], analytic: dict, objective_of, targets: list[str],
