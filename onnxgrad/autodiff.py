@@ -79,6 +79,16 @@ def gradient_spec(grad_model: onnx.ModelProto) -> dict:
     return {k: json.loads(meta[f"onnxgrad.{k}"]) for k in SPEC_KEYS}
 
 
+def backward_nodes(grad_model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """The nodes :func:`grad` appended after the forward's (it records where they start; the forward it
+    copied may have more nodes than the model it was given: tied weights recomputed, names given)."""
+    meta = {p.key: p.value for p in grad_model.metadata_props}
+    if "onnxgrad.forward_nodes" not in meta:
+        raise UnknownNameError("the model has no onnxgrad.forward_nodes metadata: it is not a gradient model "
+                               "written by this version of onnxgrad.grad")
+    return list(grad_model.graph.node[int(meta["onnxgrad.forward_nodes"]):])
+
+
 def _has_shape(tp: onnx.TypeProto) -> bool:
     """A shape every dim of which is known (a value or a symbol): dims left empty are not trusted."""
     return (tp.HasField("tensor_type") and tp.tensor_type.HasField("shape")
@@ -502,6 +512,7 @@ class _Pass:
             "onnxgrad.loss": json.dumps(self.loss),
             "onnxgrad.gradients": json.dumps({w: o.name for w, o in zip(self.wrt, grad_outputs)}),
             "onnxgrad.seeds": json.dumps({o: s.name for o, s in zip(self.of, seed_inputs)}),
+            "onnxgrad.forward_nodes": str(len(self.nodes)),
         }
         M.set_metadata(out, meta)
         if not any(o.domain in ("", "ai.onnx") for o in out.opset_import):

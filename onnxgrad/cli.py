@@ -171,7 +171,7 @@ def _shape_text(vi) -> str:
 
 def run_grad(args: argparse.Namespace) -> int:
     from . import check as C
-    from .autodiff import grad
+    from .autodiff import backward_nodes, grad, gradient_spec
     from .model import load
     from .params import parameters
 
@@ -217,9 +217,9 @@ def run_grad(args: argparse.Namespace) -> int:
     if result is None or result.ok(CHECK_TOLERANCE):
         _save(gm, out_path)
 
-    spec = C.gradient_spec(gm)
-    n_forward = len(model.graph.node)
-    backward = gm.graph.node[n_forward:]
+    spec = gradient_spec(gm)
+    backward = backward_nodes(gm)
+    n_forward = len(gm.graph.node) - len(backward)
     ops = Counter(n.op_type for n in backward)
     outputs = {o.name: o for o in gm.graph.output}
     inputs = {i.name: i for i in gm.graph.input}

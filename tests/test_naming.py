@@ -12,7 +12,7 @@ import pytest
 
 import onnxgrad
 from onnxgrad import model as M
-from onnxgrad.autodiff import _Pass
+from onnxgrad.autodiff import _Pass, backward_nodes
 
 # the exported models (each has its .npz of references); not the <stem>.grad.onnx README's first command
 # writes beside one, which is a gradient model with a naming of its own (seeds '<x>_grad_seed')
@@ -26,7 +26,9 @@ def _build(path, **kw):
 
 
 def _backward(p, gm):
-    return list(gm.graph.node)[len(p.nodes):]
+    backward = backward_nodes(gm)
+    assert len(gm.graph.node) - len(backward) == len(p.nodes)       # the forward the pass copied
+    return backward
 
 
 def _owner(node: onnx.NodeProto, forward_names: set[str]) -> str:
