@@ -477,9 +477,10 @@ class _Pass:
         out.CopyFrom(self.model)
         g = out.graph
         torch_names = self._torch_names()
+        what = self._what()
         for name, vi in zip(self.wrt, grad_outputs):
             torch = f" (PyTorch '{torch_names[name]}')" if name in torch_names else ""
-            vi.doc_string = f"dL/d{name}{torch}: the gradient of {self._what()} with respect to '{name}'"
+            vi.doc_string = f"dL/d{name}{torch}: the gradient of {what} with respect to '{name}'"
             vi.metadata_props.add(key="onnxgrad.gradient_of", value=name)
             if torch:
                 vi.metadata_props.add(key="onnxgrad.torch_name", value=torch_names[name])
