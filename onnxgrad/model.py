@@ -445,7 +445,7 @@ def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = ()) -> tuple[o
                 values[init.name] = numpy_helper.to_array(init)
         elif init.name not in inputs:
             cg.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
-    taken = {i.name for i in cg.input} | _defined_names(g)
+    taken = {i.name for i in cg.input} | defined_names(g)
     opset = opset_of(model)
     pending = list(reversed(g.node))    # a stack: the next node last
     kept, decided = [], 0
@@ -468,13 +468,13 @@ def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = ()) -> tuple[o
     return copy if decided else None, {k: v for k, v in values.items() if k in own and k not in exclude}
 
 
-def _defined_names(g: onnx.GraphProto) -> set[str]:
+def defined_names(g: onnx.GraphProto) -> set[str]:
     """Every name a graph and the subgraphs in it define."""
     out = {i.name for i in g.input} | {i.name for i in g.initializer}
     for node in g.node:
         out.update(o for o in node.output if o)
-        for sg in _subgraphs(node):
-            out |= _defined_names(sg)
+        for sg in subgraphs(node):
+            out |= defined_names(sg)
     return out
 
 
@@ -537,7 +537,7 @@ def _inlined(branch: onnx.GraphProto, outputs: Iterable[str], taken: set[str]) -
         new = onnx.NodeProto()
         new.CopyFrom(node)
         new.input[:] = [env.get(x, x) for x in node.input]
-        for sg in _subgraphs(new):
+        for sg in subgraphs(new):
             _rename_reads(sg, env)
         new.output[:] = [fresh(o) if o else "" for o in node.output]
         nodes.append(new)
@@ -547,7 +547,8 @@ def _inlined(branch: onnx.GraphProto, outputs: Iterable[str], taken: set[str]) -
     return nodes
 
 
-def _subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
+    """The graphs a node holds in its attributes (If's branches, Loop's and Scan's bodies)."""
     return [sg for a in node.attribute for sg in ([a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs)]
 
 
@@ -555,7 +556,7 @@ def _rename_reads(g: onnx.GraphProto, env: dict[str, str]) -> None:
     """Rename, in place, the outer-scope names a subgraph (and those inside it) reads."""
     for node in g.node:
         node.input[:] = [env.get(x, x) for x in node.input]
-        for sg in _subgraphs(node):
+        for sg in subgraphs(node):
             _rename_reads(sg, env)
     for vi in g.output:
         vi.name = env.get(vi.name, vi.name)

@@ -292,16 +292,8 @@ class TrainingSession:
         if not isinstance(weight, (int, float, np.floating, np.integer)) or not weight >= 0:
             raise OnnxGradError(f"step: samples must be a number >= 0, got {samples!r}; nothing was changed")
         last = self._micro == spec.accumulation_steps - 1
-        io_ = self._backward.io_binding()
-        for name, arr in data.items():
-            io_.bind_cpu_input(name, arr)
+        io_ = self._bind_batch(self._backward, data)
         io_.bind_cpu_input(sp.weight, np.array(weight, np.float32))
-        for name in spec.params:
-            io_.bind_ortvalue_input(name, self._cur[name])
-        spare = self._sets[1 - self._parity]
-        for name, (i, o) in spec.buffers.items():
-            io_.bind_ortvalue_input(i, self._cur[name])
-            io_.bind_ortvalue_output(o, spare[name])
         sums = None
         if spec.accumulation_steps > 1:
             src = self._bucket_sums[self._acc_parity] if self._micro else self._bucket_zero
@@ -331,6 +323,7 @@ class TrainingSession:
         self.last_grad_norm = float(self._scalars["grad_norm"].numpy())
         self._micro = 0
         if bool(self._scalars["finite"].numpy()):     # the same on every worker: it reads the same sums
+            spare = self._sets[1 - self._parity]          # this update's running statistics
             floats = [spare[n] for n in spec.buffers if np.dtype(self._layout[n][1]).kind == "f"]
             if floats:
                 self._engine.all_reduce(floats, average=True)
@@ -413,10 +406,11 @@ class TrainingSession:
             self._bindings = bindings
         return self._bindings[self._parity]
 
-    def _accumulate_step(self, data: dict[str, np.ndarray]) -> float:
-        """A micro-batch that only adds its gradients to the accumulators (no update)."""
+    def _bind_batch(self, session, data: dict[str, np.ndarray]):
+        """An IOBinding of ``session`` reading the batch and the parameters, writing the running statistics
+        into the spare set of buffers (what the backward-only runs share)."""
         spec = self.spec
-        io_ = self._accumulate.io_binding()
+        io_ = session.io_binding()
         for name, arr in data.items():
             io_.bind_cpu_input(name, arr)
         for name in spec.params:
@@ -425,6 +419,12 @@ class TrainingSession:
         for name, (i, o) in spec.buffers.items():
             io_.bind_ortvalue_input(i, self._cur[name])
             io_.bind_ortvalue_output(o, spare[name])
+        return io_
+
+    def _accumulate_step(self, data: dict[str, np.ndarray]) -> float:
+        """A micro-batch that only adds its gradients to the accumulators (no update)."""
+        spec = self.spec
+        io_ = self._bind_batch(self._accumulate, data)
         src = self._acc_source()
         dst = self._acc_bufs[1 - self._acc_parity]
         for i, o in spec.accumulators.values():

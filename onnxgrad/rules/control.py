@@ -36,26 +36,6 @@ from ..registry import Node, register
 
 
 # -- names -------------------------------------------------------------------------------
-def _defined(g: onnx.GraphProto) -> set[str]:
-    """Every name a graph (and the subgraphs in it) defines."""
-    out = {i.name for i in g.input} | {i.name for i in g.initializer}
-    for node in g.node:
-        out.update(o for o in node.output if o)
-        for sg in _graphs(node):
-            out |= _defined(sg)
-    return out
-
-
-def _graphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:
-    out = []
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            out.append(a.g)
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            out.extend(a.graphs)
-    return out
-
-
 def _renamed_node(node: onnx.NodeProto, env: dict[str, str], names: NameScope, prefix: str) -> onnx.NodeProto:
     """A copy of ``node`` reading ``env``'s names, writing fresh ones (recorded in ``env``)."""
     new = onnx.NodeProto()
@@ -162,7 +142,7 @@ def _body_vjp(n: Node, body: onnx.GraphProto, input_infos: list[TensorInfo], wrt
     from ..autodiff import grad
 
     outer = sorted(M.subgraph_inputs(_holder(body)))
-    taken = _defined(body) | set(outer)
+    taken = M.defined_names(body) | set(outer)
     n.b.names.taken |= taken          # no name made outside may shadow one of the body's
     local = NameScope(taken)
     infos = [_declared(vi, info) for vi, info in zip(body.input, input_infos)]

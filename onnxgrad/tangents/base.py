@@ -78,17 +78,6 @@ class TNode(Node):
         return self.op.Expand(t, shape)
 
 
-def total(*terms: Var | None) -> Var | None:
-    """The sum of the terms that are there (None when none is): the tangent of a sum of products."""
-    present = [t for t in terms if t is not None]
-    if not present:
-        return None
-    out = present[0]
-    for t in present[1:]:
-        out = out + t
-    return out
-
-
 @dataclass
 class TangentRule:
     op_type: str

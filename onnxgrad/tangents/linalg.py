@@ -5,7 +5,8 @@ product rule), with the bias term added: JAX's convolution JVP.
 """
 from __future__ import annotations
 
-from .base import TNode, defjvp, total
+from ..builder import total
+from .base import TNode, defjvp
 
 
 @defjvp("MatMul")

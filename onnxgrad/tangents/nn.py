@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
-from ..builder import TensorInfo, Var
-from .base import TNode, defjvp, linear_tangent, total
+from ..builder import TensorInfo, Var, total
+from .base import TNode, defjvp, linear_tangent
 
 
 def _axis(t: TNode, default: int) -> int:
