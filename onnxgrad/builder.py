@@ -727,7 +727,7 @@ def shape_of_op(op: str, shapes: list, inputs: Sequence[str], attrs: dict[str, A
     return None
 
 
-_WITH_BODIES = frozenset({"If", "Loop", "Scan"})      # the ai.onnx ops with subgraph attributes
+WITH_BODIES = frozenset({"If", "Loop", "Scan", "SequenceMap"})    # the ai.onnx ops with subgraph attributes
 
 
 def rename_tensors(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None:
@@ -741,7 +741,7 @@ def rename_tensors(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None
         for k, y in enumerate(node.output):
             if y in renames:
                 node.output[k] = renames[y]
-        if node.op_type not in _WITH_BODIES:
+        if node.op_type not in WITH_BODIES and node.domain in ("", "ai.onnx"):
             continue
         for a in node.attribute:            # If/Loop/Scan bodies reading the renamed tensors
             for sg in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs:

@@ -201,14 +201,14 @@ def through_body(n: Node):
     try:
         inner = body_model(node, n.opset, b.infos, b.constants, set(wrt), [y for y in node.output if y])
     except ValueError as e:
-        n.unsupported(f"no rule, and {e}")
+        n.decline(f"no rule, and {e}")
     try:
         gm = grad(inner, wrt=wrt, of=outputs, allow_unused=True)
     except UnsupportedOpError as e:
         inner_ops = ", ".join(f"{op} ({e.reasons[op]})" if op in e.reasons else op for op in sorted(e.ops))
-        n.unsupported(f"no rule, and its function body uses {inner_ops}")
+        n.decline(f"no rule, and its function body uses {inner_ops}")
     except OnnxGradError as e:
-        n.unsupported(f"no rule, and its function body cannot be differentiated: {e}")
+        n.decline(f"no rule, and its function body cannot be differentiated: {e}")
     grads = _splice(n, gm, outputs)
     out: list[Var | None] = [None] * len(node.input)
     for k in wanted:

@@ -22,14 +22,13 @@ from typing import Iterable, Mapping, Sequence
 import onnx
 
 from . import model as M
-from .builder import TensorInfo
+from .builder import WITH_BODIES, TensorInfo
 from .function_body import body_rule
 from .registry import Rule, get_rule, get_schema, schema_differentiable_inputs
 
 __all__ = ["rule_of", "differentiable_positions", "dependencies", "live_nodes", "live", "gradient_reach"]
 
 _STANDARD = ("", "ai.onnx")
-_WITH_BODIES = frozenset({"If", "Loop", "Scan", "SequenceMap"})     # the ai.onnx ops with subgraphs
 
 
 def rule_of(node: onnx.NodeProto, opset: int | None = None) -> Rule | None:
@@ -137,7 +136,7 @@ def gradient_reach(nodes: Sequence[onnx.NodeProto], targets: Iterable[str], opse
         if reach.isdisjoint(node.output):
             continue
         op, domain, inputs = node.op_type, node.domain, node.input
-        if (op in _WITH_BODIES or domain not in _STANDARD) and M.has_subgraph(node):
+        if (op in WITH_BODIES or domain not in _STANDARD) and M.has_subgraph(node):
             reach.update(x for x in inputs if x and M.is_float(infos.get(x)))
             reach |= {x for x in M.subgraph_inputs(node) if M.is_float(infos.get(x))}
             continue

@@ -317,9 +317,7 @@ def _carried_shapes(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     g = model.graph
     if not any(node.op_type in ("Loop", "Scan") for node in g.node):
         return {}
-    types = {vi.name: vi.type for vi in list(g.input) + list(g.value_info) + list(g.output)}
-    for init in g.initializer:
-        types[init.name] = helper.make_tensor_type_proto(init.data_type, list(init.dims))
+    types = tensor_infos(model)[1]
     found = {}
     for node in g.node:
         if node.op_type not in ("Loop", "Scan") or node.domain not in ("", "ai.onnx"):
@@ -573,10 +571,7 @@ def _specialized_shapes(model: onnx.ModelProto, inferred: onnx.ModelProto) -> di
         found = shape_inference.infer_shapes(copy, check_type=False, strict_mode=False, data_prop=True)
     except Exception:
         return {}
-    fg = found.graph
-    types = {vi.name: vi.type for vi in list(fg.value_info) + list(fg.output)}
-    for init in fg.initializer:
-        types[init.name] = helper.make_tensor_type_proto(init.data_type, list(init.dims))
+    types = tensor_infos(found)[1]
     g = inferred.graph
     have = {vi.name: vi.type for vi in list(g.value_info) + list(g.output)}
     out = {}

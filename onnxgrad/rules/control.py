@@ -163,7 +163,7 @@ def _body_vjp(n: Node, body: onnx.GraphProto, input_infos: list[TensorInfo], wrt
     of_names = [outs[k] for k in of]
     for k, name in zip(of, of_names):
         if not _is_float(inferred.get(name)):
-            n.unsupported(f"output {k} of the body of node '{n.name}' has no known float type")
+            n.decline(f"output {k} of the body of node '{n.name}' has no known float type")
     gm = grad(model, wrt=list(wrt), of=of_names, allow_unused=True)
     meta = {p.key: p.value for p in gm.metadata_props}
     seeds = json.loads(meta["onnxgrad.seeds"])
@@ -200,12 +200,12 @@ def _body_model(n: Node, body: onnx.GraphProto, infos: list[TensorInfo], outer: 
             continue
         info = b.infos.get(name)
         if info is None or info.dtype is None:
-            n.unsupported(f"the body reads '{name}' from the outer scope, whose type is unknown "
+            n.decline(f"the body reads '{name}' from the outer scope, whose type is unknown "
                           "(not a tensor, or not inferred): declare it in value_info")
         inputs.append(_value_info(name, info))
     for vi in inputs:
         if not vi.type.tensor_type.HasField("shape"):
-            n.unsupported(f"the body reads '{vi.name}', whose rank shape inference cannot tell (a Reshape to a "
+            n.decline(f"the body reads '{vi.name}', whose rank shape inference cannot tell (a Reshape to a "
                           "shape computed from an If's outputs?): its gradient model needs it; declare the "
                           "tensor's shape in value_info")
     nodes = list(body.node)
@@ -350,13 +350,13 @@ def scan(n: Node):
     in_axes = [a % (len(in_info[N + j].shape) if in_info[N + j].shape is not None else max(a + 1, 1))
                for j, a in enumerate(n.attr("scan_input_axes") or [0] * m)]
     if any(a < 0 for a in (n.attr("scan_input_axes") or [])) and any(i.shape is None for i in in_info[N:]):
-        n.unsupported("negative scan_input_axes on a scan input of unknown rank")
+        n.decline("negative scan_input_axes on a scan input of unknown rank")
     out_axes = []
     for k, a in enumerate(n.attr("scan_output_axes") or [0] * K):
         if a < 0:
             shape = out_info[N + k].shape
             if shape is None:
-                n.unsupported("negative scan_output_axes on a scan output of unknown rank")
+                n.decline("negative scan_output_axes on a scan output of unknown rank")
             a %= len(shape)
         out_axes.append(a)
     length = None
