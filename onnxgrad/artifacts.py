@@ -159,7 +159,7 @@ class TrainingArtifacts:
             for s, v in states.items():
                 values[spec.state[p][s][0]] = v
         for p, (i, _) in spec.accumulators.items():
-            values[i] = np.zeros_like(self.initial_params[p])
+            values[i] = np.zeros(self.initial_params[p].shape, self.initial_params[p].dtype)
         if spec.lr:
             values[spec.lr] = np.array(spec.optimizer["lr"], np.float32)
             values[spec.step] = np.array(1, np.int64)

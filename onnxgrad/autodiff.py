@@ -449,8 +449,12 @@ class _Pass:
         if not unknown:
             return out
         out.ir_version = M.emitted_ir_version(out)    # below IR 4, inference reads no initializer's value
-        out = M.infer(out)          # onnx's shape inference, ranks its readers imply where it finds none
-        found = {vi.name for vi in out.graph.value_info}
+        inferred = M.infer(out)     # onnx's shape inference, ranks its readers imply where it finds none
+        del g.value_info[:]         # (inferred on a skeleton: its types, not its initializers)
+        g.value_info.extend(inferred.graph.value_info)
+        for mine, theirs in zip(g.output, inferred.graph.output):
+            mine.type.CopyFrom(theirs.type)
+        found = {vi.name for vi in g.value_info}
         out.graph.value_info.extend(
             helper.make_tensor_value_info(name, (infos.get(name) or TensorInfo()).dtype or TensorProto.UNDEFINED,
                                           None)

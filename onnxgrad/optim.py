@@ -219,8 +219,10 @@ class Optimizer:
         return False
 
     def initial_state(self, value: np.ndarray) -> dict[str, np.ndarray]:
-        """State of one parameter before the first update (zeros unless the optimizer says otherwise)."""
-        return {k: np.zeros_like(value) for k in self.active_state()}
+        """State of one parameter before the first update (zeros unless the optimizer says otherwise).
+        ``np.zeros``, not ``zeros_like``: the allocator's zeroed pages take no memory until the first
+        update writes them (``zeros_like`` writes every zero up front)."""
+        return {k: np.zeros(value.shape, value.dtype) for k in self.active_state()}
 
     def update(self, ctx: UpdateContext, p: Var, g: Var, state: dict[str, Var]) -> tuple[Var, dict[str, Var]]:
         raise NotImplementedError
@@ -404,6 +406,8 @@ class Adagrad(Optimizer):
             raise OptimizerError(f"invalid eps {self.eps}")
 
     def initial_state(self, value: np.ndarray) -> dict[str, np.ndarray]:
+        if not self.initial_accumulator_value:
+            return super().initial_state(value)
         return {"sum": np.full_like(value, self.initial_accumulator_value)}
 
     def update(self, ctx, p, g, state):

@@ -59,7 +59,8 @@ def to_train_mode(model: onnx.ModelProto, seed: int = 0) -> TrainMode:
         if node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type == "BatchNormalization" and not _bn_training(node, opset):
-            nodes[-1:] = _batch_norm_train(node, opset, names, stored, out) + [node]
+            before, after = _batch_norm_train(node, opset, names, stored, out)
+            nodes[-1:] = before + [node] + after
         elif node.op_type == "Dropout" and opset >= 12 and not _dropout_active(node, g):
             if true_name is None:
                 true_name = names.fresh("onnxgrad.training_mode")
@@ -113,15 +114,17 @@ def _set_attr(node: onnx.NodeProto, name: str, value) -> None:
 
 
 def _batch_norm_train(node: onnx.NodeProto, opset: int, names: NameScope, initializers: dict[str, int],
-                      out: TrainMode) -> list[onnx.NodeProto]:
-    """Switch one BatchNormalization to batch statistics; return the nodes (to run before it) that
-    compute the running statistics PyTorch would hold after this batch.
+                      out: TrainMode) -> tuple[list[onnx.NodeProto], list[onnx.NodeProto]]:
+    """Switch one BatchNormalization to batch statistics; return the nodes to run before it and the
+    nodes after it that compute the running statistics PyTorch would hold after this batch.
 
-    The running statistics are computed here from the batch, not read from the node's own
-    running outputs: onnxruntime (1.32, CPU) writes those outputs into the buffers of the
-    mean/var *inputs* (in place, graph inputs included), so any other reader of the inputs
-    could see the new values. The node gets private zero/one tensors as its mean/var inputs
-    (in training mode they only feed its running outputs, which nothing reads).
+    The node gets private zero/one tensors as its mean/var inputs, not the running statistics:
+    onnxruntime (1.32, CPU) writes its running outputs into the buffers of the mean/var *inputs* (in
+    place, graph inputs included), so any other reader of the inputs could see the new values. Its
+    momentum is set to 0, so that those outputs are the batch's mean and biased variance (running =
+    input * momentum + batch * (1 - momentum)); the running statistics are formed from them with the
+    node's own momentum and PyTorch's unbiased variance, and the gradient rule reads them instead of
+    computing the statistics again.
     """
     x, mean, var = node.input[0], node.input[3], node.input[4]
     if mean not in initializers or var not in initializers:
@@ -149,12 +152,8 @@ def _batch_norm_train(node: onnx.NodeProto, opset: int, names: NameScope, initia
     def const(hint: str, value: np.ndarray) -> str:
         return emit("Constant", [], hint, value=numpy_helper.from_array(value))
 
-    def reduce(op: str, data: str, hint: str, keepdims: int) -> str:
-        if opset >= 18:
-            return emit(op, [data, const(f"{hint}_axes", np.array([0, 2], np.int64))], hint, keepdims=keepdims)
-        return emit(op, [data], hint, axes=[0, 2], keepdims=keepdims)
-
-    # private running inputs for the node, and outputs nothing reads
+    # private running inputs for the node; with momentum 0 its running outputs are the batch's mean and
+    # (biased) variance, which the running statistics below and the node's gradient rule read
     stat_shape = emit("Shape", [var], "stat_shape")
     dummy_mean = emit("ConstantOfShape", [stat_shape], "unused_mean",
                       value=numpy_helper.from_array(np.zeros(1, np_dtype)))
@@ -164,26 +163,23 @@ def _batch_norm_train(node: onnx.NodeProto, opset: int, names: NameScope, initia
     inputs[3], inputs[4] = dummy_mean, dummy_var
     del node.input[:]
     node.input.extend(inputs)
-    outputs = [node.output[0], t("unused_running_mean"), t("unused_running_var")]
+    mean_flat, biased = t("batch_mean"), t("batch_var")
+    outputs = [node.output[0], mean_flat, biased]
     del node.output[:]
     node.output.extend(outputs)
     if opset >= 14:
         _set_attr(node, "training_mode", 1)
+    _set_attr(node, "momentum", 0.0)
+    before, nodes = nodes, []
 
-    # batch statistics over every axis but the channel: x as [N, C, rest]
-    flat = emit("Reshape", [x, const("flat_shape", np.array([0, 0, -1], np.int64))], "x_flat")
-    batch_mean = reduce("ReduceMean", flat, "batch_mean", keepdims=1)
-    centered = emit("Sub", [flat, batch_mean], "centered")
-    squares = reduce("ReduceSumSquare", centered, "sum_of_squares", keepdims=0)
     # n = elements per channel = Size(x) / Shape(x)[1]; PyTorch's running variance is unbiased
     channels = emit("Gather", [emit("Shape", [x], "x_shape"), const("one", np.array([1], np.int64))], "channels",
                     axis=0)
     n = emit("Cast", [emit("Div", [emit("Size", [x], "size"), channels], "n")], "n_float", to=dtype)
-    unbiased = emit("Div", [squares, emit("Sub", [n, const("one_float", np.array(1, np_dtype))], "n_minus_1")],
-                    "batch_var_unbiased")
+    bessel = emit("Div", [n, emit("Sub", [n, const("one_float", np.array(1, np_dtype))], "n_minus_1")], "bessel")
+    unbiased = emit("Mul", [biased, bessel], "batch_var_unbiased")
     m = const("momentum", np.array(momentum, np_dtype))
     m1 = const("one_minus_momentum", np.array(1 - momentum, np_dtype))
-    mean_flat = emit("Reshape", [batch_mean, const("vector", np.array([-1], np.int64))], "batch_mean_vector")
     new_mean, new_var = t("new_running_mean"), t("new_running_var")   # the training graph outputs '<name>.next'
     for old, batch, new in ((mean, mean_flat, new_mean), (var, unbiased, new_var)):
         kept = emit("Mul", [old, m], "momentum_part")
@@ -191,4 +187,4 @@ def _batch_norm_train(node: onnx.NodeProto, opset: int, names: NameScope, initia
         nodes.append(helper.make_node("Add", [kept, fresh], [new], name=new))
     out.running[mean] = new_mean
     out.running[var] = new_var
-    return nodes
+    return before, nodes

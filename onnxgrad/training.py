@@ -228,6 +228,7 @@ class TrainingSession:
             self._engine.broadcast([self._sets[0][n] for n in sorted(self._sets[0])])
         inits = {x.name for x in self.artifacts.loss_model.graph.initializer}
         self._loss_inputs = [i.name for i in self.artifacts.loss_model.graph.input if i.name not in inits]
+        _release_freed_memory()
 
     # -- running --------------------------------------------------------------------------------------
     def step(self, feeds: Mapping[str, np.ndarray], lr: float | None = None, *,
@@ -679,6 +680,10 @@ class TrainingSession:
         if opts is None:
             opts = ort.SessionOptions()
             opts.log_severity_level = 3
+        # onnxruntime's memory pattern places a run's intermediates in one block planned from the first
+        # run, allocated beside the blocks that first run left in the arena: a training step then holds
+        # its activations twice (ResNet-18: 420 MB peak with it, 321 MB without, the step as fast)
+        opts.enable_mem_pattern = False
         with runnable(model) as source:     # a model over 2 GB: by path, its data beside it
             return ort.InferenceSession(source, opts, providers=self._providers)
 
@@ -771,6 +776,26 @@ class TrainingSession:
     def __repr__(self) -> str:
         return (f"TrainingSession({len(self.spec.params)} parameters, {type(self.optimizer).__name__}, "
                 f"lr={self.lr}, step_count={self.step_count}, device={self.device})")
+
+
+def _release_freed_memory() -> None:
+    """Give the memory building the session freed back to the operating system (glibc's ``malloc_trim``).
+
+    Building copies the model's protos and weights several times; glibc keeps the freed blocks
+    (protobuf's arenas, numpy temporaries under its mmap threshold) in the process's heap, where the
+    training loop's onnxruntime and device buffers do not reuse them: ResNet-18's process held 217 MB
+    above its start after building, 44 MB (its weights) once trimmed. A no-op off glibc."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):        # musl and other C libraries: nothing to trim
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
 
 
 def _drop_data(model: onnx.ModelProto, held: Mapping[str, Any]) -> None:

@@ -83,6 +83,16 @@ TRAINING = [
     # BatchNormalization-9 trains when its optional outputs are there (onnxruntime: batch statistics;
     # onnx.reference cannot produce those outputs, so this case runs on onnxruntime only)
     Case("BatchNormalization", _bn_inputs(3, 2, 4), {"momentum": 0.9}, opset=13, outputs=5, id="training-opset13"),
+    # momentum 0 (as onnxgrad.train_mode emits): the running outputs are the batch statistics, and the
+    # rule reads them instead of recomputing them
+    Case("BatchNormalization", _bn_inputs(2, 2, 2, 3), {"training_mode": 1, "momentum": 0.0}, opset=15,
+         outputs=3, id="training-momentum0-4d"),
+    Case("BatchNormalization", _bn_inputs(4, 3), {"training_mode": 1, "momentum": 0.0}, opset=14, outputs=3,
+         id="training-momentum0-2d"),
+    Case("BatchNormalization", _bn_inputs(3, 2, 4), {"training_mode": 1, "momentum": 0.0}, opset=15, outputs=3,
+         unknown_shapes=True, id="training-momentum0-dynamic"),
+    Case("BatchNormalization", _bn_inputs(3, 2, 4), {"momentum": 0.0}, opset=13, outputs=5,
+         id="training-momentum0-opset13"),
 ]
 
 
@@ -213,3 +223,13 @@ def test_layer_norm_backward_full_size_passes():
             if node.op_type in ("Add", "Sub", "Mul", "Div") and shapes.get(node.output[0]) == [2, 3, 4]]
     assert len(full) == 9, full
     assert check(model, gm, feeds).ok(1e-3)
+
+
+def test_batch_norm_training_reads_the_batch_statistics():
+    """With momentum 0 the rule takes the mean and variance from the node's running outputs: its
+    backward computes no statistic of x again (no ReduceMean), only the two sums dB and dscale."""
+    case = next(c for c in TRAINING if c.id == "training-momentum0-4d")
+    model, _, _ = harness.case_model(case)
+    gm = onnxgrad.grad(model, wrt=["x0"], of=["y0"])
+    backward = [n.op_type for n in gm.graph.node[len(model.graph.node):]]
+    assert "ReduceMean" not in backward and backward.count("ReduceSum") == 2, backward

@@ -95,7 +95,7 @@ def _batch_norm(n: Node, training: bool):
     inference (mean, var are inputs):
         dx = dy * scale * inv          dB = sum(dy)          dscale = sum(dy * xhat)
         dmean = -dB * scale * inv      dvar = -dscale * scale * inv^2 / 2
-    training (mean, var are the batch statistics over every axis but 1):
+    training (mean, var are the batch statistics over every axis but 1, N elements per channel):
         dx = scale * inv * (dy - mean(dy) - xhat * mean(dy * xhat)),  dB, dscale as above;
         input_mean and input_var only feed the running statistics, which carry no gradient.
     """
@@ -110,19 +110,42 @@ def _batch_norm(n: Node, training: bool):
     return _batch_norm_grads(n, x, dy, x.rank, training)
 
 
+def _batch_statistics(n: Node, x: Var, reduced: list[int]) -> tuple[Var, Var]:
+    """(mean, biased variance) of x per channel, shaped to broadcast against x.
+
+    With ``momentum`` 0 the node's running outputs are exactly these (running = input * momentum +
+    batch * (1 - momentum)), so they are read, not recomputed: :mod:`onnxgrad.train_mode` gives its
+    training-mode copies momentum 0 and forms PyTorch's running statistics from them."""
+    rank = len(reduced) + 1
+    outputs = n.outputs[1:3]
+    if n.attr("momentum", 0.9) == 0.0 and all(o is not None for o in outputs):
+        return _per_channel(n, outputs[0], rank), _per_channel(n, outputs[1], rank)
+    mean = _mean(n, x, reduced)
+    xc = x - mean
+    return mean, _mean(n, xc * xc, reduced)
+
+
 def _batch_norm_grads(n: Node, x: Var, dy: Var, rank: int, training: bool) -> tuple:
     """BatchNormalization's five gradients for x and dy of rank ``rank`` (channels on axis 1)."""
     scale, mean, var = n.inputs[1], n.inputs[3], n.inputs[4]
     eps = n.attr("epsilon", 1e-5)
     reduced = [0] + list(range(2, rank))
     if training:
-        xhat, inv = _moments(n, x, reduced, eps)
-        dx = dscale = None
+        # with xc = x - mean: sum(dy * xhat) = inv * sum(dy * xc), so that
+        #   dx = k * dy - xc * (k * inv^2 * sum(dy * xc) / N) - k * sum(dy) / N,   k = scale * inv,
+        # per-channel factors and four full-size passes, after the two sums dB and dscale need anyway
+        batch_mean, batch_var = _batch_statistics(n, x, reduced)
+        inv = 1.0 / n.op.Sqrt(batch_var + eps)
+        xc = x - batch_mean
+        sum_dy = n.b.sum(dy, reduced, keepdims=True)
+        sum_dy_xc = n.b.sum(dy * xc, reduced, keepdims=True)
+        dx = None
         if n.needs(0):
-            dx = _standardize_grad(n, dy * _per_channel(n, scale, rank), xhat, inv, reduced)
-        if n.needs(1):
-            dscale = _channel_sum(n, dy * xhat, rank)
-        dB = _channel_sum(n, dy, rank) if n.needs(2) else None
+            k = _per_channel(n, scale, rank) * inv
+            per_n = 1.0 / _count(n, x, reduced)
+            dx = k * dy - xc * (k * inv * inv * sum_dy_xc * per_n) - k * sum_dy * per_n
+        dscale = n.b.reshape_like(sum_dy_xc * inv, scale) if n.needs(1) else None
+        dB = n.b.reshape_like(sum_dy, scale) if n.needs(2) else None
         return dx, dscale, dB, None, None
 
     inv = 1.0 / n.op.Sqrt(var + eps)
