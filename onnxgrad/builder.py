@@ -199,6 +199,12 @@ class Builder:
         b.op = _Ops(b)
         return b
 
+    def subgraph(self, what: str) -> "Builder":
+        """A builder for a subgraph's nodes (an If's branch, a loop's body): this one's names and types,
+        its own node list, named ``<prefix>/<what>/...``."""
+        return Builder(self.opset, self.names, self.infos, f"{self.prefix}/{what}", self.doc, self.constants,
+                       self.op_type)
+
     # -- names and types ----------------------------------------------------------
     def var(self, name: str) -> Var:
         return Var(self, name)

@@ -22,10 +22,11 @@ Adagrad 7 (+2 weight decay). ``Sum`` of three tensors is no help: onnxruntime
 runs it slower than two ``Add``; nor is ``Gemm`` as a fused ``a x + b y`` (a [n, 1]
 by [1, 1] product: several times slower than the Mul, Mul, Add it replaces).
 
-A guarded graph (a non-finite step writes the old values back, so that the
-session can update its buffers in place) adds a Where on each output, except
-for Adam and AdamW (``eps > 0``), which guard themselves with one Where on the
-gradient and scalars gated to their neutral values.
+An update never guards itself: in a guarded training graph (a non-finite step writes
+the old values back, so that the session can update its buffers in place) the
+updates of every parameter run inside one ``If`` on the step's finiteness, whose
+other branch returns the old values (:mod:`onnxgrad.artifacts`), so no full-size
+op is spent on the guard.
 """
 from __future__ import annotations
 
@@ -54,12 +55,9 @@ class UpdateContext:
     own scope, so the nodes named ``.../<param>/...`` are exactly the per-parameter
     (full-tensor) ops. ``local(v)`` rebinds a tensor to the current parameter's
     builder so its arithmetic is named under that parameter.
-
-    ``finite`` (a boolean scalar, or None) is set for an optimizer that guards its own update
-    (:meth:`Optimizer.guards_itself`): ``gated`` scalars then take their neutral value when it is false.
     """
 
-    def __init__(self, b: Builder, lr: Var, step: Var, finite: Var | None = None):
+    def __init__(self, b: Builder, lr: Var, step: Var):
         self.b = b
         self._root = b               # shared scalars are emitted here, not under the parameter that first needs them
         self.step_int = step
@@ -69,7 +67,6 @@ class UpdateContext:
         self._doubles: dict[Any, Var] = {}
         self._cast: dict[tuple[Any, int | None], Var] = {}
         self._first: Var | None = None
-        self.finite = finite
 
     @property
     def lr(self) -> Var:
@@ -108,18 +105,6 @@ class UpdateContext:
             self._cast[(key, dtype)] = (root.op.Cast(value, to=dtype) if dtype is not None
                                         else root.op.CastLike(value, like))
         return self._cast[(key, dtype)]
-
-    def gated(self, key: Any, fn: Callable[[], Var], neutral: float, like: Var) -> Var | float:
-        """The scalar ``fn()`` as ``like``'s type, or ``neutral`` where the step is not finite (``finite`` set);
-        without ``finite``, the plain shared scalar."""
-        if self.finite is None:
-            return self.shared(key, fn, like)
-        return self.shared(("gated", key, neutral), lambda: self.b.op.Where(self.finite, fn(), self.double(neutral)),
-                           like)
-
-    def finite_or_zero(self, g: Var) -> Var:
-        """``g`` where the step is finite, else zeros (one full-size Where under the current parameter)."""
-        return self.b.op.Where(self.local(self.finite), g, self.b.scalar(0.0, g))
 
     def lr_like(self, like: Var) -> Var:
         if like.dtype is not None and like.dtype == self._lr_in.dtype:
@@ -212,12 +197,6 @@ class Optimizer:
         """The state tensors kept per parameter under these hyperparameters."""
         return self.state_names
 
-    def guards_itself(self) -> bool:
-        """Whether ``update``, given ``ctx.finite``, leaves the parameter and its state unchanged when the step
-        is not finite (one Where on the gradient and gated scalars), so that the graph needs no Where on
-        each output."""
-        return False
-
     def initial_state(self, value: np.ndarray) -> dict[str, np.ndarray]:
         """State of one parameter before the first update (zeros unless the optimizer says otherwise).
         ``np.zeros``, not ``zeros_like``: the allocator's zeroed pages take no memory until the first
@@ -304,11 +283,6 @@ class Adam(Optimizer):
         step_size = lr sqrt(1 - beta2^t) / (1 - beta1^t),   eps_hat = eps sqrt(1 - beta2^t)
 
     ``lerp`` is PyTorch's: ``m + w (g - m)`` for ``w < 0.5``, else ``g - (1 - w) (g - m)``.
-
-    Guarded (``ctx.finite``; needs ``eps > 0``): one Where zeroes a non-finite step's gradient, and the
-    scalars take their neutral values there (``1 - beta1`` and ``weight_decay`` 0; ``beta1``, ``beta2`` and
-    the decay factor 1; the step size 0), so that the formulas give back ``p``, ``m`` and ``v`` exactly (up
-    to the sign of a zero): one full-size op per parameter instead of a Where on each of the three outputs.
     """
 
     state_names = ("exp_avg", "exp_avg_sq")
@@ -327,33 +301,21 @@ class Adam(Optimizer):
         if not self.eps >= 0.0:
             raise OptimizerError(f"invalid eps {self.eps}")
 
-    def guards_itself(self) -> bool:
-        return self.eps > 0           # with eps 0, a zero v would make the gated step 0 / 0
-
     def update(self, ctx, p, g, state):
         beta1, beta2 = self.betas
         p, g = ctx.local(p), ctx.local(g)
         m, v = ctx.local(state["exp_avg"]), ctx.local(state["exp_avg_sq"])
-        gated = ctx.finite is not None
-
-        def factor(key, value: float, neutral: float):
-            """A hyperparameter as a constant, or gated to ``neutral`` for a non-finite step."""
-            return ctx.gated(key, lambda: ctx.double(value), neutral, p) if gated else value
-
-        if gated:
-            g = ctx.finite_or_zero(g)
         if self.weight_decay and self.decoupled:
-            p = p * ctx.gated(("decay", self.weight_decay), lambda: 1.0 - ctx.lr * ctx.double(self.weight_decay),
-                              1.0, p)
+            p = p * ctx.shared(("decay", self.weight_decay), lambda: 1.0 - ctx.lr * ctx.double(self.weight_decay), p)
         elif self.weight_decay:
-            g = g + p * factor(("l2", self.weight_decay), self.weight_decay, 0.0)
+            g = g + p * self.weight_decay
         if 1.0 - beta1 < 0.5:
-            m = m + (g - m) * factor(("adam_1-beta1", beta1), 1.0 - beta1, 0.0)
+            m = m + (g - m) * (1.0 - beta1)
         else:
-            m = g - (g - m) * factor(("adam_beta1", beta1), beta1, 1.0)
-        v = v * factor(("adam_beta2", beta2), beta2, 1.0) + (g * (1.0 - beta2)) * g
-        step_size = ctx.gated(("adam_step_size", beta1, beta2), lambda: ctx.lr * self._bias2_sqrt(ctx)
-                              / (1.0 - ctx.b.op.Pow(ctx.double(beta1), ctx.step)), 0.0, p)
+            m = g - (g - m) * beta1
+        v = v * beta2 + (g * (1.0 - beta2)) * g
+        step_size = ctx.shared(("adam_step_size", beta1, beta2), lambda: ctx.lr * self._bias2_sqrt(ctx)
+                               / (1.0 - ctx.b.op.Pow(ctx.double(beta1), ctx.step)), p)
         denom = ctx.b.op.Sqrt(v)
         if self.eps:
             denom = denom + ctx.shared(("adam_eps", self.eps, beta2),

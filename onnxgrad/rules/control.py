@@ -229,11 +229,6 @@ def _body_model(n: Node, body: onnx.GraphProto, infos: list[TensorInfo], outer: 
     return model, outs
 
 
-def _sub(b: Builder, what: str) -> Builder:
-    """A builder for a subgraph's nodes: same names and types as ``b``, its own node list."""
-    return Builder(b.opset, b.names, b.infos, f"{b.prefix}/{what}", b.doc, b.constants, b.op_type)
-
-
 def _formal(b: Builder, base: str, info: TensorInfo) -> Var:
     name = b.names.fresh(base)
     b.infos[name] = info
@@ -294,7 +289,7 @@ def if_(n: Node):
     branches = {}
     for attr in ("then_branch", "else_branch"):
         body = n.attr(attr)
-        sb = _sub(b, attr)
+        sb = b.subgraph(attr)
         reads = M.subgraph_inputs(_holder(body))
         mine = [x for x in wanted if x in reads]
         grads = {}
@@ -380,7 +375,7 @@ def scan(n: Node):
     stored = _store(n, body, "body", [names[i] for i in kept_states], [in_info[i] for i in kept_states],
                     [_with_axis(in_info[i], 0, length) for i in kept_states])
 
-    sb = _sub(b, "body")
+    sb = b.subgraph("body")
     ds_in = [_formal(sb, f"{names[i]}_grad_next", in_info[i]) for i in states]
     dw_in = [_formal(sb, f"{w}_grad_sum", b.infos[w]) for w in outer]
     s_t = [_formal(sb, f"{names[i]}_t", in_info[i]) for i in kept_states]
@@ -467,7 +462,7 @@ def loop(n: Node):
     trips = b.op.Squeeze(b.shape_of(stored[0]), b.ints([0]))
     last = trips - b.const(np.array(1, np.int64))
 
-    sb = _sub(b, "body")
+    sb = b.subgraph("body")
     k_in = _formal(sb, "k", scalar_i)
     cond_in = _formal(sb, "cond", scalar_b)
     dv_in = [_formal(sb, f"{names[2 + i]}_grad_next", in_info[i]) for i in carried]
