@@ -17,11 +17,11 @@ import time
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 THREADS = int(os.environ.get("BENCH_THREADS", "2"))
 
-OPSET = 17
+OPSET = 20     # torch.onnx.export's default (torch 2.13); Col2Im needs 18
 
 
 def _model(op: str, x_shape, w=None, outputs=1, **attrs) -> tuple[onnx.ModelProto, list[str], dict]:
@@ -29,9 +29,10 @@ def _model(op: str, x_shape, w=None, outputs=1, **attrs) -> tuple[onnx.ModelProt
     inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))]
     feeds = {"x": rng.standard_normal(x_shape).astype(np.float32)}
     names, inits, wrt = ["x"], [], ["x"]
-    if w is not None:
+    if w is not None:       # a graph input, as the weights are in a training step (no constant to prepack)
         names.append("w")
-        inits.append(numpy_helper.from_array(rng.standard_normal(w).astype(np.float32) * 0.1, "w"))
+        inputs.append(helper.make_tensor_value_info("w", TensorProto.FLOAT, list(w)))
+        feeds["w"] = rng.standard_normal(w).astype(np.float32) * 0.1
         wrt.append("w")
     node = helper.make_node(op, names, ["y"], name=op.lower(), **attrs)
     g = helper.make_graph([node], "bench", inputs, [helper.make_empty_tensor_value_info("y")], inits)
@@ -58,6 +59,13 @@ CASES = {
         ("resnet downsample 1x1/2 128->256 14x14 n8", _conv(8, 128, 256, 14, k=1, s=2)),
         ("resnet stem 7x7/2 3->64 112x112 n8", _conv(8, 3, 64, 112, k=7, s=2)),
         ("cnn conv2 3x3 32->64 16x16 n32", _conv(32, 32, 64, 16)),
+    ],
+    "conv_input_grad_col2im": [
+        ("resnet layer1 3x3 64->64 28x28 n8", _conv(8, 64, 64, 28)),
+        ("resnet layer2 3x3 128->128 14x14 n8", _conv(8, 128, 128, 14)),
+        ("resnet layer3 3x3 256->256 7x7 n8", _conv(8, 256, 256, 7)),
+        ("resnet layer4 3x3 512->512 4x4 n8", _conv(8, 512, 512, 4)),
+        ("resnet layer4.0 3x3/2 256->512 7x7 n8", _conv(8, 256, 512, 7, s=2)),
     ],
     "conv_input_grad_flipped": [
         ("3x3 64->32 16x16 n32 (dx wider than dy)", _conv(32, 64, 32, 16)),

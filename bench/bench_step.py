@@ -58,7 +58,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-OPSET = 17
+OPSET = 20     # torch.onnx.export's default (torch 2.13), as a new user exports
 
 
 # -- the models ----------------------------------------------------------------------------------

@@ -131,6 +131,36 @@ def test_conv_input_grad_flipped_declines_where_the_conv_transpose_is_faster():
         "conv_input_grad_flipped")[0]
 
 
+# -- conv_input_grad_col2im ---------------------------------------------------------------------
+COL2IM_CASES = [
+    Case("Conv", [randn(3, 6, 4, 4), randn(5, 6, 3, 3)], dict(pads=[1, 1, 1, 1]), opset=18, wrt=[0], id="3x3"),
+    Case("Conv", [randn(2, 4, 7, 6), randn(3, 4, 3, 2)], dict(strides=[2, 1], pads=[1, 0, 1, 1]), opset=20,
+         wrt=[0, 1], id="stride-asymmetric-pads"),
+    Case("Conv", [randn(2, 3, 9, 9), randn(4, 3, 3, 3)], dict(dilations=[2, 2], pads=[2, 1, 0, 2]), opset=18,
+         wrt=[0], id="dilation"),
+    Case("Conv", [randn(2, 4, 5, 5), randn(6, 4, 1, 1)], dict(strides=[2, 2]), opset=18, wrt=[0], id="1x1-stride-2"),
+    Case("Conv", [randn(2, 3, 11), randn(4, 3, 3)], dict(pads=[1, 1], strides=[2]), opset=18, wrt=[0], id="1-d"),
+]
+
+
+@pytest.mark.parametrize("case", COL2IM_CASES, ids=str)
+def test_conv_input_grad_col2im(case):
+    fast = _case(case, "conv_input_grad_col2im")
+    assert "ConvTranspose" not in _ops(fast) and "Col2Im" in _ops(fast)
+
+
+@pytest.mark.parametrize("case, reason", [
+    (Case("Conv", [randn(1, 2, 12, 12), randn(3, 2, 3, 3)], dict(pads=[1, 1, 1, 1]), opset=18, wrt=[0]),
+     "144 positions"),
+    (Case("Conv", [randn(1, 2, 4, 4), randn(3, 2, 3, 3)], dict(pads=[1, 1, 1, 1]), opset=17, wrt=[0]), "opset 18"),
+], ids=["many-positions", "opset-17"])
+def test_conv_input_grad_col2im_declines_with_a_reason(case, reason):
+    model, _, wrt = case_model(case)
+    _, report = optimize(onnxgrad.grad(model, wrt=wrt, of=["y0"]), None, first=1, rewrites=["conv_input_grad_col2im"])
+    assert report.count("conv_input_grad_col2im") == 0
+    assert any(reason in why for why in report.reasons("conv_input_grad_col2im")), report.declined
+
+
 # -- max_pool_taps ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("x", [distinct(2, 3, 4, 6), np.random.default_rng(3).integers(0, 3, (2, 3, 4, 6)).astype(
     np.float32)], ids=["distinct", "ties"])

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import onnx
 
 from ..errors import OnnxGradError
-from .conv import CONV_INPUT_GRAD_FLIPPED, CONV_WEIGHT_GRAD_PATCHES
+from .conv import CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, CONV_WEIGHT_GRAD_PATCHES
 from .masks import WHERE_ZERO_AS_MUL
 from .pool import MAX_POOL_TAPS
 from .rewriter import Report, Rewrite, apply
@@ -30,10 +30,11 @@ from .rewriter import Report, Rewrite, apply
 __all__ = ["REWRITES", "TARGETS", "optimize", "target_for"]
 
 REWRITES: dict[str, Rewrite] = {r.name: r for r in (
-    CONV_WEIGHT_GRAD_PATCHES, CONV_INPUT_GRAD_FLIPPED, MAX_POOL_TAPS, WHERE_ZERO_AS_MUL)}
+    CONV_WEIGHT_GRAD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, MAX_POOL_TAPS, WHERE_ZERO_AS_MUL)}
 
 TARGETS: dict[str, tuple[str, ...]] = {
-    "cpu": ("conv_weight_grad_patches", "conv_input_grad_flipped", "max_pool_taps", "where_zero_as_mul"),
+    "cpu": ("conv_weight_grad_patches", "conv_input_grad_col2im", "conv_input_grad_flipped", "max_pool_taps",
+            "where_zero_as_mul"),
     "cuda": (),
 }
 

@@ -148,3 +148,54 @@ def _flip_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
 CONV_INPUT_GRAD_FLIPPED = Rewrite(
     "conv_input_grad_flipped", "ConvTranspose", _flip_pattern, _flip_check, _flip_replacement,
     "a stride-1 ConvTranspose as a Conv with the transposed, reversed kernel")
+
+
+# -- input gradient: ConvTranspose as one Gemm over every image's positions, then Col2Im ----------------
+_COL2IM_MAX_POSITIONS = 64    # dy's positions per image; above, the ConvTranspose measured as fast or faster
+
+
+def _col2im_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    """dx = ConvTranspose(dy, w), group 1, explicit pads, no output padding: the canonical input gradient
+    of a Conv (:func:`onnxgrad.rules.nn._window_transpose`), at any stride and dilation."""
+    if len(node.input) != 2 or view.attr(node, "group", 1) != 1:
+        return None
+    if view.attr(node, "auto_pad", "NOTSET") != "NOTSET":
+        return None
+    output_padding = view.attr(node, "output_padding")
+    if output_padding is not None and any(output_padding):
+        return None
+    return Match(node, [node.output[0]], dict(dy=node.input[0], w=node.input[1]))
+
+
+def _col2im_check(view: GraphView, m: Match) -> str | None:
+    if view.opset < 18:
+        return f"Col2Im needs opset 18, the model is at {view.opset}"
+    ws, ys, xs = view.shape(m.w), view.info(m.dy).shape, view.info(m.outputs[0]).shape
+    if ws is None or ys is None or xs is None or None in ys[1:] or None in xs[1:]:
+        return "the kernel, and dy's and dx's channels and spatial dims, need static shapes"
+    positions = int(np.prod(ys[2:]))
+    if positions > _COL2IM_MAX_POSITIONS:
+        return f"{positions} positions per image: the ConvTranspose is as fast above {_COL2IM_MAX_POSITIONS}"
+    return None
+
+
+def _col2im_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """ConvTranspose(dy, w) = Col2Im(columns): the columns [C*K, L] of each image are w^T dy, computed
+    for every image at once as one Gemm of dy's positions as rows ([N*L, M] by w as [M, C*K]), not as one
+    skinny product per image; Col2Im then sums each column into its kernel window."""
+    node = m.root
+    (out_ch, c, *kernel), (_, _, *o), (_, _, *image) = (view.shape(m.w), view.info(m.dy).shape,
+                                                        view.info(m.outputs[0]).shape)
+    rank, positions, taps = len(kernel), int(np.prod(o)), int(np.prod(kernel))
+    rows = b.op.Transpose(b.op.Reshape(b.var(m.dy), b.ints([0, out_ch, positions])), perm=[0, 2, 1])
+    columns = b.op.Gemm(b.op.Reshape(rows, b.ints([-1, out_ch])), b.op.Reshape(b.var(m.w), b.ints([out_ch, -1])))
+    columns = b.op.Transpose(b.op.Reshape(columns, b.ints([-1, positions, c * taps])), perm=[0, 2, 1])
+    return [b.op.Col2Im(columns, b.ints(image), b.ints(kernel),
+                        dilations=view.attr(node, "dilations", [1] * rank),
+                        pads=view.attr(node, "pads", [0] * (2 * rank)),
+                        strides=view.attr(node, "strides", [1] * rank))]
+
+
+CONV_INPUT_GRAD_COL2IM = Rewrite(
+    "conv_input_grad_col2im", "ConvTranspose", _col2im_pattern, _col2im_check, _col2im_replacement,
+    "a ConvTranspose with few positions per image as one Gemm over all images' positions and a Col2Im")
