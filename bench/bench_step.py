@@ -23,8 +23,9 @@ same weights and batch, and the same step with the forward and loss through ``to
 oversubscribed cores (where this was written) spinning threads stall the other
 side for whole scheduler slices and medians swing 2-10x. On a machine with free
 cores, ``BENCH_SPIN=1`` (onnxruntime's and OpenMP's default) is faster for both:
-the MLP step took 1.7 ms spinning against 2.6 ms blocking. ``--memory`` adds the peak RSS while stepping, each framework in a fresh process, and how
-much of it came with the model (the peak less the RSS after imports, before the model was built).
+the MLP step took 1.7 ms spinning against 2.6 ms blocking. ``--memory`` adds ``bench_memory.py``'s
+measurement: each framework in a fresh process, the peak RSS of building the trainer and of a 20-step
+loop above the process with the model built, and the ratio to PyTorch eager's.
 ``--profile MODEL`` prints onnxruntime's per-node profile of the step and of the forward.
 
     /tmp/torchvenv/bin/python bench/bench_step.py                 # all models, with PyTorch
@@ -41,7 +42,6 @@ import argparse
 import gc
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -464,47 +464,13 @@ def _reset_peak() -> bool:
         return False
 
 
-def memory_child(name: str, framework: str) -> dict:
-    """In a fresh process: RSS before building anything, and the peak RSS while stepping."""
-    bench = MODELS[name]()
-    if framework == "torch":
-        import torch
-
-        torch.set_num_threads(THREADS)
-    else:
-        import onnxruntime  # noqa: F401
-
-        import onnxgrad  # noqa: F401
-    gc.collect()
-    base = _rss_kb("VmRSS")
-    if framework == "torch":
-        step = bench.torch_step(bench.weights)
-    else:
-        ts = training_session(bench)
-        feeds = {**bench.feeds, **bench.target}
-        step = lambda: ts.step(feeds)  # noqa: E731
-    for _ in range(3):
-        step()
-    gc.collect()
-    before = _rss_kb("VmRSS")
-    reset = _reset_peak()
-    for _ in range(5):
-        step()
-    peak = _rss_kb("VmHWM")
-    return {"base_mb": base / 1024, "before_step_mb": before / 1024, "peak_mb": peak / 1024,
-            "peak_reset": reset}
-
-
 def memory(name: str, frameworks: list[str]) -> dict[str, dict]:
-    out = {}
-    for fw in frameworks:
-        r = subprocess.run([sys.executable, __file__, "--memory-child", name, fw], capture_output=True, text=True,
-                           timeout=600)
-        if r.returncode != 0:
-            out[fw] = {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else f"rc {r.returncode}"}
-        else:
-            out[fw] = json.loads(r.stdout.strip().splitlines()[-1])
-    return out
+    """bench_memory.py's measurement: each framework in a fresh process, the peak RSS of building the
+    trainer and of a 20-step loop, in MB above the process with the model built."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_memory
+
+    return {fw: bench_memory.run_child(name, fw, None) for fw in frameworks}
 
 
 def profile(name: str, reps: int) -> None:
@@ -546,14 +512,11 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (it compiles for a minute or so)")
-    ap.add_argument("--memory", action="store_true", help="peak RSS of a step, each framework in a fresh process")
+    ap.add_argument("--memory", action="store_true",
+                    help="peak RSS of building and of a 20-step loop, each framework in a fresh process")
     ap.add_argument("--profile", metavar="MODEL", choices=list(MODELS))
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-    ap.add_argument("--memory-child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.memory_child:
-        print(json.dumps(memory_child(*args.memory_child)))
-        return
     if args.profile:
         profile(args.profile, args.reps)
         return
@@ -586,14 +549,18 @@ def main(argv: list[str]) -> None:
               f"{ms['gradient'] / ms['forward']:>8.2f} {ratio('torch'):>10} {ratio('compile'):>13} "
               f"{r['fwd_nodes']:>4}/{r['grad_nodes']}/{r['train_nodes']}", flush=True)
         if args.memory:
-            r["memory"] = memory(name, ["onnxgrad"] + (["torch"] if have_torch else []))
+            frameworks = ["onnxgrad"] + (["torch"] if have_torch else []) + (
+                ["compile"] if have_torch and not args.no_compile else [])
+            r["memory"] = memory(name, frameworks)
+            torch_peak = r["memory"].get("torch", {}).get("peak_mb")
             for fw, m in r["memory"].items():
                 if "error" in m:
                     print(f"    memory {fw}: error: {m['error']}")
-                else:
-                    print(f"    memory {fw:<8}: peak RSS while stepping {m['peak_mb']:7.1f} MB, "
-                          f"{m['peak_mb'] - m['base_mb']:6.1f} MB above the process before the model was built"
-                          + ("" if m["peak_reset"] else " (peak not reset: includes set-up)"), flush=True)
+                    continue
+                ratio = f", {m['peak_mb'] / torch_peak:.2f}x PyTorch eager's" if torch_peak and fw != "torch" else ""
+                print(f"    memory {fw:<8}: peak {m['peak_mb']:6.1f} MB above the built model (build {m['build_mb']:.1f}, "
+                      f"20-step loop {m['loop_mb']:.1f}){ratio}"
+                      + ("" if m["peak_reset"] else " (peaks not reset between phases)"), flush=True)
         results.append(r)
     if args.json:
         with open(args.json, "w") as f:
