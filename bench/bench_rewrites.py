@@ -70,6 +70,7 @@ CASES = {
     "conv_input_grad_flipped": [
         ("3x3 64->32 16x16 n32 (dx wider than dy)", _conv(32, 64, 32, 16)),
         ("resnet layer1 3x3 64->64 28x28 n8", _conv(8, 64, 64, 28)),
+        ("resnet layer2 3x3 128->128 14x14 n8", _conv(8, 128, 128, 14)),
         ("cnn conv2 3x3 32->64 16x16 n32", _conv(32, 32, 64, 16)),
     ],
     "max_pool_taps": [
