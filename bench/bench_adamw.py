@@ -1,4 +1,6 @@
-"""Time of the AdamW update alone on ResNet-18's 11M parameters, and its full-size ops per parameter.
+"""Time of the AdamW update alone on ResNet-18's 11M parameters, and its full-size ops per parameter,
+against PyTorch's ``torch.optim.AdamW`` on the same shapes (its default for CPU tensors, ``foreach=True``
+and ``fused=True``), each in its own process.
 
 The update is the data-parallel step's second graph (``artifacts.build(split=True).split.update``): it
 reads the flat gradient buffers, slices each parameter's gradient out, checks finiteness, takes the norm
@@ -79,14 +81,41 @@ def child(reps: int) -> dict:
         sess.run_with_iobinding(io_)
         times.append((time.perf_counter() - t0) * 1e3)
     ops = {}
-    for n in model.graph.node:
+    nodes = list(model.graph.node)
+    while nodes:               # the update's nodes, in the guard's If branches too
+        n = nodes.pop()
+        nodes += [x for a in n.attribute if a.type == a.GRAPH for x in a.g.node]
         if n.name.startswith("train/optimizer/") and n.name.count("/") > 2 and n.op_type != "Constant":
             p = n.name.split("/")[2]
-            ops[p] = ops.get(p, 0) + 1
+            if p in spec.params:
+                ops[p] = ops.get(p, 0) + 1
     elements = sum(int(np.prod(values[p].shape)) for p in spec.params)
     return {"ms": float(np.median(times)), "min": float(np.min(times)), "elements": elements,
             "params": len(spec.params), "in_place": len(inplace), "outputs": len(pairs),
             "ops_per_param": sorted(set(ops.values()))}
+
+
+def torch_child(reps: int, variant: str) -> dict:
+    """PyTorch's AdamW step on tensors of ResNet-18's parameter shapes (``variant``: its default for CPU
+    tensors, ``foreach`` or ``fused``), the gradients already there."""
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(B.THREADS)
+    bench = B.resnet18()
+    params = [torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in bench.weights.items() if "running" not in k]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-2
+    kw = {} if variant == "default" else {variant: True}
+    opt = torch.optim.AdamW(params, lr=1e-3, **kw)
+    for _ in range(3):
+        opt.step()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        opt.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"ms": float(np.median(times)), "min": float(np.min(times))}
 
 
 def main(argv: list[str]) -> None:
@@ -94,17 +123,29 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--before", metavar="PATH")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--torch-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.reps)))
         return
+    if args.torch_child:
+        print(json.dumps(torch_child(args.reps, args.torch_child)))
+        return
     here = os.environ.get("PYTHONPATH", os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     versions = {"onnxgrad": here, **({"onnxgrad@before": args.before} if args.before else {})}
-    rounds: dict[str, list[dict]] = {k: [] for k in versions}
+    try:
+        import torch  # noqa: F401
+        variants = [] if args.no_torch else ["default", "foreach", "fused"]
+    except ImportError:
+        variants = []
+    rounds: dict[str, list[dict]] = {k: [] for k in list(versions) + [f"torch {v}" for v in variants]}
     for _ in range(args.rounds):
-        for k, path in versions.items():
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", "--reps", str(args.reps)],
+        for k in rounds:
+            flag = ["--torch-child", k.split()[1]] if k.startswith("torch ") else ["--child"]
+            path = versions.get(k, here)
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), *flag, "--reps", str(args.reps)],
                                capture_output=True, text=True, env={**os.environ, "PYTHONPATH": path}, timeout=900)
             if r.returncode:
                 raise SystemExit(f"{k}: {r.stderr.strip().splitlines()[-1]}")
@@ -114,10 +155,12 @@ def main(argv: list[str]) -> None:
     for k, rs in rounds.items():
         ms = sorted(r["ms"] for r in rs)
         r0 = rs[0]
-        print(f"{k:<16} {ms[len(ms) // 2]:7.2f} ms [{ms[0]:.2f}-{ms[-1]:.2f}]  best single run "
-              f"{min(r['min'] for r in rs):.2f} ms; {r0['elements'] / 1e6:.1f}M elements in {r0['params']} "
-              f"parameters; full-size optimizer ops per parameter {r0['ops_per_param']}; "
-              f"{r0['in_place']}/{r0['outputs']} outputs in place")
+        line = (f"{k:<16} {ms[len(ms) // 2]:7.2f} ms [{ms[0]:.2f}-{ms[-1]:.2f}]  best single run "
+                f"{min(r['min'] for r in rs):.2f} ms")
+        if "elements" in r0:
+            line += (f"; {r0['elements'] / 1e6:.1f}M elements in {r0['params']} parameters; full-size optimizer "
+                     f"ops per parameter {r0['ops_per_param']}; {r0['in_place']}/{r0['outputs']} outputs in place")
+        print(line)
 
 
 if __name__ == "__main__":
