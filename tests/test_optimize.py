@@ -124,10 +124,10 @@ def test_conv_input_grad_flipped(pads):
 
 
 def test_conv_input_grad_flipped_declines_where_the_conv_transpose_is_faster():
-    case = Case("Conv", [randn(1, 16, 5, 6), randn(32, 16, 3, 3)], attrs=dict(pads=[1, 1, 1, 1]), wrt=[0])
+    case = Case("Conv", [randn(1, 8, 5, 6), randn(32, 8, 3, 3)], attrs=dict(pads=[1, 1, 1, 1]), wrt=[0])
     model, _, wrt = case_model(case)
     _, report = optimize(onnxgrad.grad(model, wrt=wrt, of=["y0"]), "cpu", first=1)
-    assert report.count("conv_input_grad_flipped") == 0 and "fewer channels" in report.reasons(
+    assert report.count("conv_input_grad_flipped") == 0 and "fewer than 16 channels" in report.reasons(
         "conv_input_grad_flipped")[0]
 
 

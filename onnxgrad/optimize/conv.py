@@ -100,7 +100,7 @@ CONV_WEIGHT_GRAD_PATCHES = Rewrite(
 
 
 # -- input gradient: ConvTranspose as a Conv with the flipped kernel ------------------------------
-_FLIP_MIN_CHANNELS = 16     # below, and where dx has fewer channels than dy, the ConvTranspose measured faster
+_FLIP_MIN_CHANNELS = 16     # below, the ConvTranspose measured faster (weights as inputs, as in a training step)
 
 
 def _flip_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
@@ -125,8 +125,6 @@ def _flip_check(view: GraphView, m: Match) -> str | None:
         return "the kernel's shape is not static"
     if min(ws[:2]) < _FLIP_MIN_CHANNELS:
         return f"fewer than {_FLIP_MIN_CHANNELS} channels: the ConvTranspose is faster"
-    if ws[1] < ws[0]:
-        return "dx has fewer channels than dy: the ConvTranspose's columns are the smaller ones"
     rank = len(ws) - 2
     pads = view.attr(m.root, "pads", [0] * (2 * rank))
     if any(k - 1 - p < 0 for k, p in zip(list(ws[2:]) * 2, pads)):
