@@ -104,8 +104,9 @@ class TrainingSession:
     ``on_nonfinite``: "raise" or "skip". ``providers``: onnxruntime execution
     providers (default: CUDA when available, else CPU); the backward is rewritten for the first
     one (:mod:`onnxgrad.optimize`). ``recompute``: the backward computes cheap activations again
-    (ReLUs, batch-norm outputs, GELUs) instead of keeping them from the forward, less memory for a
-    little more time (:mod:`onnxgrad.recompute`); checkpoints keep the setting.
+    (ReLUs, batch-norm outputs, GELUs) instead of keeping them from the forward (:mod:`onnxgrad.recompute`):
+    less is held from the forward into the backward, for a little more time; a step's peak falls only
+    where it lies there (the README's measurements). Checkpoints keep the setting.
 
     ``lr`` (the learning rate of the next steps; a scheduler sets it), ``step_count``
     (updates applied), ``skipped_steps`` and ``last_grad_norm`` are plain attributes;
