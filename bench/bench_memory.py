@@ -16,9 +16,12 @@ Peaks are the kernel's high-water mark (``VmHWM``), reset between the phases thr
 ``/proc/self/clear_refs`` (when the kernel refuses, the loop's peak includes the build's; the output says so).
 ``--before PATH`` adds an ``onnxgrad@before`` column: the same session from the onnxgrad package under
 ``PATH`` (a checkout or ``git archive`` of another revision), for a before/after in one interleaved run.
+``--recompute`` adds an ``onnxgrad+recompute`` column: the session with ``recompute=True``
+(:mod:`onnxgrad.recompute`: cheap activations computed again in the backward rather than kept).
 
     PYTHONPATH=. python bench/bench_memory.py                     # all models, every framework
     PYTHONPATH=. python bench/bench_memory.py resnet18 --before /tmp/memory-before --repeats 3
+    PYTHONPATH=. python bench/bench_memory.py --frameworks onnxgrad --recompute
 
 A benchmark, not a test: it prints what it measures and asserts nothing. Medians are given with the
 [min-max] of the repeats; on a shared machine other processes do not change a process's own RSS, but the
@@ -62,7 +65,7 @@ def child(name: str, framework: str) -> dict:
     if framework in ("torch", "compile"):
         step = bench.torch_step(bench.weights, compile=framework == "compile")
     else:
-        ts = B.training_session(bench)
+        ts = B.training_session(bench, recompute=framework == "onnxgrad+recompute")
         feeds = {**bench.feeds, **bench.target}
         step = lambda: ts.step(feeds)  # noqa: E731
     gc.collect()
@@ -99,6 +102,7 @@ def main(argv: list[str]) -> None:
                     help=f"some of {', '.join(B.MODELS)} (default: all)")
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma-separated, of " + ", ".join(FRAMEWORKS))
     ap.add_argument("--before", metavar="PATH", help="also measure the onnxgrad package under PATH")
+    ap.add_argument("--recompute", action="store_true", help="also measure TrainingSession(recompute=True)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
@@ -107,6 +111,8 @@ def main(argv: list[str]) -> None:
         print(json.dumps(child(*args.child)))
         return
     frameworks = [f for f in args.frameworks.split(",") if f]
+    if args.recompute:
+        frameworks.insert(frameworks.index("onnxgrad") + 1 if "onnxgrad" in frameworks else 0, "onnxgrad+recompute")
     if args.before:
         frameworks.insert(frameworks.index("onnxgrad") + 1 if "onnxgrad" in frameworks else 0, "onnxgrad@before")
     print(f"peak RSS of {STEPS} AdamW steps, MB above the process with the model built; median [min-max] of "

@@ -18,7 +18,8 @@ backward, no update, weights as initializers), the TrainingSession AdamW step,
 the ratios step/forward and gradient/forward, and, when torch is importable,
 PyTorch eager's step (zero_grad, forward, loss, backward, AdamW.step) on the
 same weights and batch, and the same step with the forward and loss through ``torch.compile``
-(compiled during warm-up; ``--no-compile`` skips it). Every framework runs with 2 intra-op threads
+(compiled during warm-up; ``--no-compile`` skips it); ``--recompute`` adds the step of a
+``TrainingSession(recompute=True)`` (:mod:`onnxgrad.recompute`). Every framework runs with 2 intra-op threads
 (``BENCH_THREADS``) whose idle threads block rather than spin: on shared,
 oversubscribed cores (where this was written) spinning threads stall the other
 side for whole scheduler slices and medians swing 2-10x. On a machine with free
@@ -373,11 +374,12 @@ def ort_session(model: onnx.ModelProto, profile: str | None = None):
                                 providers=["CPUExecutionProvider"])
 
 
-def training_session(bench: Bench, profile: str | None = None):
+def training_session(bench: Bench, profile: str | None = None, recompute: bool = False):
     from onnxgrad import TrainingSession, optim
 
+    options = {"recompute": True} if recompute else {}      # older onnxgrad versions have no recompute
     return TrainingSession(bench.forward, loss=bench.loss, optimizer=optim.AdamW(lr=1e-3),
-                           providers=["CPUExecutionProvider"], session_options=session_options(profile))
+                           providers=["CPUExecutionProvider"], session_options=session_options(profile), **options)
 
 
 def gradient_model(bench: Bench) -> onnx.ModelProto:
@@ -398,7 +400,8 @@ def _time(fn: Callable[[], Any]) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def measure(bench: Bench, reps: int, warmup: int, with_torch: bool, with_compile: bool = False) -> dict:
+def measure(bench: Bench, reps: int, warmup: int, with_torch: bool, with_compile: bool = False,
+            with_recompute: bool = False) -> dict:
     import onnxgrad.artifacts as A
 
     t0 = time.perf_counter()
@@ -420,6 +423,9 @@ def measure(bench: Bench, reps: int, warmup: int, with_torch: bool, with_compile
         "gradient": lambda: gsess.run(gnames, all_feeds),
         "step": lambda: ts.step(all_feeds),
     }
+    if with_recompute:
+        ts_recompute = training_session(bench, recompute=True)
+        runs["recompute"] = lambda: ts_recompute.step(all_feeds)
     if with_torch and bench.torch_step is not None:
         import torch
 
@@ -514,6 +520,8 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--no-compile", action="store_true", help="skip torch.compile (it compiles for a minute or so)")
     ap.add_argument("--memory", action="store_true",
                     help="peak RSS of building and of a 20-step loop, each framework in a fresh process")
+    ap.add_argument("--recompute", action="store_true",
+                    help="also time the step of a TrainingSession(recompute=True), interleaved with the others")
     ap.add_argument("--profile", metavar="MODEL", choices=list(MODELS))
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
@@ -535,7 +543,8 @@ def main(argv: list[str]) -> None:
           f"{'compiled step':>17} {'step/fwd':>8} {'grad/fwd':>8} {'step/torch':>10} {'step/compiled':>13} "
           f"{'nodes f/g/t':>14}")
     for name in args.models:
-        r = measure(MODELS[name](), args.reps, args.warmup, have_torch, have_torch and not args.no_compile)
+        r = measure(MODELS[name](), args.reps, args.warmup, have_torch, have_torch and not args.no_compile,
+                    args.recompute)
         ms, lo = r["ms"], r["min"]
 
         def cell(k: str) -> str:
@@ -548,6 +557,9 @@ def main(argv: list[str]) -> None:
               f"{cell('torch'):>17} {cell('compile'):>17} {ms['step'] / ms['forward']:>8.2f} "
               f"{ms['gradient'] / ms['forward']:>8.2f} {ratio('torch'):>10} {ratio('compile'):>13} "
               f"{r['fwd_nodes']:>4}/{r['grad_nodes']}/{r['train_nodes']}", flush=True)
+        if "recompute" in ms:
+            print(f"    step with recompute=True {cell('recompute')} ms: {ms['recompute'] / ms['step']:.2f} x the step",
+                  flush=True)
         if args.memory:
             frameworks = ["onnxgrad"] + (["torch"] if have_torch else []) + (
                 ["compile"] if have_torch and not args.no_compile else [])

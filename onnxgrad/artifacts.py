@@ -79,6 +79,7 @@ class TrainingSpec:
     buffers: dict[str, list[str]] = field(default_factory=dict)    # running statistic -> [input, output]
     train_mode: bool = False
     grads: dict[str, str] = field(default_factory=dict)            # parameter -> gradient output (keep_grads)
+    recompute: bool = False                      # the backward recomputes activations (onnxgrad.recompute)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -182,6 +183,7 @@ def build(
     strict_tags: bool = False,
     split: bool = False,
     target: str | None = None,
+    recompute: bool = False,
 ) -> TrainingArtifacts:
     """Build the training, eval (and accumulation) models.
 
@@ -197,7 +199,8 @@ def build(
     :meth:`TrainingArtifacts.initial_values` holds their starting values. ``split``: also build the
     step as two graphs with the gradient reduction between them (:class:`SplitStep`, data parallelism).
     ``target``: the runtime the backward is rewritten for (:func:`onnxgrad.grad`'s; None: the canonical
-    adjoints).
+    adjoints). ``recompute``: the backward computes cheap activations again rather than keeping them
+    (:func:`onnxgrad.grad`'s; run the models with :data:`onnxgrad.recompute.ORT_DISABLED_OPTIMIZERS` off).
     """
     optimizer = optimizer if optimizer is not None else AdamW()
     if not isinstance(optimizer, Optimizer):
@@ -238,7 +241,8 @@ def build(
     if train_mode:
         tm = to_train_mode(loss_model)
         differentiated, running = tm.model, tm.running
-    gm = grad(differentiated, wrt=params, loss=loss_name, strict_tags=strict_tags, target=target)
+    gm = grad(differentiated, wrt=params, loss=loss_name, strict_tags=strict_tags, target=target,
+              recompute=recompute)
     return _Builder(loss_model, forward, gm, loss_name, params, frozen, optimizer, clip_grad_norm,
                     int(accumulation_steps), guard, defaults, running, keep_grads, report, train_mode).run(split)
 
@@ -269,6 +273,7 @@ class _Builder:
         self.shapes = {p: tuple(inits[p].dims) for p in list(params) + list(running)}
         self.torch_names = {p.name: p.torch_name for p in report} if report is not None else {}
         self.gradients = gradient_spec(gm)["gradients"]
+        self.recompute = any(p.key == "onnxgrad.recomputed" for p in gm.metadata_props)
         loss_vi = next(o for o in gm.graph.output if o.name == loss)
         self.loss_dtype = loss_vi.type.tensor_type.elem_type or TensorProto.FLOAT
 
@@ -341,7 +346,7 @@ class _Builder:
             frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
             accumulation_steps=self.k, guard=self.guard,
             buffers={r: [r, final[f"{r}.next"]] for r in self.running}, train_mode=self.train_mode,
-            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final})
+            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final}, recompute=self.recompute)
         return m, spec
 
     # The split step: backward into flat buckets | all-reduce (not here) | update from the reduced buckets.
@@ -449,7 +454,7 @@ class _Builder:
             state={p: {s: [i, final[o]] for s, (i, o) in st.items()} for p, st in state_names.items()},
             accumulators={}, frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
             accumulation_steps=self.k, guard=self.guard, train_mode=self.train_mode,
-            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final})
+            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final}, recompute=self.recompute)
         return m, spec
 
     def _gradient_graph(self) -> tuple[onnx.ModelProto, "_Emitter", list[str]]:

@@ -40,6 +40,7 @@ def grad(
     strict_tags: bool = False,
     group: bool = False,
     target: str | None = None,
+    recompute: bool = False,
 ) -> onnx.ModelProto:
     """Append the backward graph to ``model``; return the new model.
 
@@ -54,7 +55,9 @@ def grad(
     forward node's backward as one call of a model-local function (one node per forward node in a
     graph viewer; runtimes inline them, the values are the same). ``target``: rewrite the backward for
     a runtime (``"cpu"``, ``"cuda"``: see :mod:`onnxgrad.optimize`); None keeps the canonical adjoints
-    (as does ``group``, a graph for reading).
+    (as does ``group``, a graph for reading). ``recompute``: the backward computes cheap forward
+    activations again instead of keeping them from the forward, where that frees them early (see
+    :mod:`onnxgrad.recompute`; not with ``group``).
     """
     # The pass allocates many small objects and frees nothing until it ends: the cyclic garbage
     # collector's passes over them would only make large graphs slower than linear.
@@ -67,6 +70,10 @@ def grad(
             from .optimize import optimize
 
             out, _ = optimize(out, target, first=len(p.nodes))
+        if recompute and not group:
+            from .recompute import recompute_activations
+
+            out = recompute_activations(out)
         return out
     finally:
         if enabled:

@@ -47,6 +47,7 @@ from .errors import OnnxGradError, UnknownNameError
 from .files import atomic_write, runnable, save_model
 from .optim import Optimizer, from_config
 from .optimize import target_for
+from .recompute import ORT_DISABLED_OPTIMIZERS
 
 __all__ = ["TrainingSession", "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError",
            "NonFiniteError", "NonFiniteWarning"]
@@ -102,7 +103,10 @@ class TrainingSession:
     call is one micro-batch and every k-th applies the mean of their gradients.
     ``on_nonfinite``: "raise" or "skip". ``providers``: onnxruntime execution
     providers (default: CUDA when available, else CPU); the backward is rewritten for the first
-    one (:mod:`onnxgrad.optimize`).
+    one (:mod:`onnxgrad.optimize`). ``recompute``: the backward computes cheap activations again
+    (ReLUs, batch-norm outputs, GELUs) instead of keeping them from the forward (:mod:`onnxgrad.recompute`):
+    less is held from the forward into the backward, for a little more time; a step's peak falls only
+    where it lies there (the README's measurements). Checkpoints keep the setting.
 
     ``lr`` (the learning rate of the next steps; a scheduler sets it), ``step_count``
     (updates applied), ``skipped_steps`` and ``last_grad_norm`` are plain attributes;
@@ -133,6 +137,7 @@ class TrainingSession:
         session_options: Any = None,
         strict_tags: bool = False,
         data_parallel: "bool | str | D.Engine" = False,
+        recompute: bool = False,
     ):
         import onnxruntime as ort
 
@@ -159,7 +164,7 @@ class TrainingSession:
                                  clip_grad_norm=clip_grad_norm, accumulation_steps=accumulation_steps, guard=True,
                                  defaults=False, train_mode=train_mode, keep_grads=keep_grads,
                                  strict_tags=strict_tags, split=self.world_size > 1,
-                                 target=target_for(self._providers))
+                                 target=target_for(self._providers), recompute=recompute)
         self._explicit = trainable is not None
         self._strict_tags = strict_tags
         self._split = self.artifacts.split
@@ -574,6 +579,7 @@ class TrainingSession:
             "train_mode": self.spec.train_mode,
             "keep_grads": bool(self.spec.grads),
             "strict_tags": self._strict_tags,
+            "recompute": self.spec.recompute,
             "clip_grad_norm": self.spec.clip_grad_norm,
             "accumulation_steps": self.spec.accumulation_steps,
             "on_nonfinite": self.on_nonfinite,
@@ -614,7 +620,7 @@ class TrainingSession:
                 keep_grads=header.get("keep_grads", False), clip_grad_norm=header["clip_grad_norm"],
                 accumulation_steps=header["accumulation_steps"], on_nonfinite=header["on_nonfinite"],
                 session_options=session_options, strict_tags=header.get("strict_tags", False),
-                data_parallel=data_parallel)
+                data_parallel=data_parallel, recompute=header.get("recompute", False))
         s._restore(header, arrays, os.fspath(path))
         return s
 
@@ -684,8 +690,11 @@ class TrainingSession:
         # run, allocated beside the blocks that first run left in the arena: a training step then holds
         # its activations twice (ResNet-18: 420 MB peak with it, 321 MB without, the step as fast)
         opts.enable_mem_pattern = False
+        # onnxruntime's common-subexpression elimination would merge recomputed activations back into
+        # the forward nodes they copy (onnxgrad.recompute)
+        disabled = list(ORT_DISABLED_OPTIMIZERS) if self.spec.recompute else None
         with runnable(model) as source:     # a model over 2 GB: by path, its data beside it
-            return ort.InferenceSession(source, opts, providers=self._providers)
+            return ort.InferenceSession(source, opts, providers=self._providers, disabled_optimizers=disabled)
 
     def _eval_session(self, with_loss: bool) -> tuple[Any, list[str], list[str], list[str]]:
         """(session, its data inputs, its parameter inputs, its outputs), built on first use."""
