@@ -548,6 +548,7 @@ class _Builder:
             e.output(value, name, dtype, shape, doc)
         return lr, step, state_names
 
+
 def _guarded(b: Builder, first: int, finite: Var, updated: list[tuple[Var, Var, int, tuple]]) -> list[Var]:
     """The update as one ``If(finite)``: the nodes ``b`` emitted from index ``first`` on become its then
     branch, which returns the new values; its else branch returns the old ones, so a non-finite step

@@ -103,7 +103,9 @@ class TrainingSession:
     call is one micro-batch and every k-th applies the mean of their gradients.
     ``on_nonfinite``: "raise" or "skip". ``providers``: onnxruntime execution
     providers (default: CUDA when available, else CPU); the backward is rewritten for the first
-    one (:mod:`onnxgrad.optimize`). ``recompute``: the backward computes cheap activations again
+    one (:mod:`onnxgrad.optimize`). ``session_options``: the ``onnxruntime.SessionOptions`` of its
+    sessions; the session turns their memory pattern off (``enable_mem_pattern``: with it, onnxruntime
+    held a step's activations twice). ``recompute``: the backward computes cheap activations again
     (ReLUs, batch-norm outputs, GELUs) instead of keeping them from the forward (:mod:`onnxgrad.recompute`):
     less is held from the forward into the backward, for a little more time; a step's peak falls only
     where it lies there (the README's measurements). Checkpoints keep the setting.
