@@ -49,28 +49,27 @@ def _conv(n, c, m, size, k=3, s=1):
     return _model("Conv", (n, c, size, size), (m, c, k, k), pads=[k // 2] * 4, strides=[s, s])
 
 
+# ResNet-18's 3x3 stages at 3x112x112, batch 8
+RESNET_STAGES = [
+    ("resnet layer1 3x3 64->64 28x28 n8", _conv(8, 64, 64, 28)),
+    ("resnet layer2 3x3 128->128 14x14 n8", _conv(8, 128, 128, 14)),
+    ("resnet layer3 3x3 256->256 7x7 n8", _conv(8, 256, 256, 7)),
+    ("resnet layer4 3x3 512->512 4x4 n8", _conv(8, 512, 512, 4)),
+]
+
 CASES = {
-    "conv_weight_grad_patches": [
-        ("resnet layer1 3x3 64->64 28x28 n8", _conv(8, 64, 64, 28)),
-        ("resnet layer2 3x3 128->128 14x14 n8", _conv(8, 128, 128, 14)),
-        ("resnet layer3 3x3 256->256 7x7 n8", _conv(8, 256, 256, 7)),
-        ("resnet layer4 3x3 512->512 4x4 n8", _conv(8, 512, 512, 4)),
+    "conv_weight_grad_patches": RESNET_STAGES + [
         ("resnet layer2.0 3x3/2 64->128 28x28 n8", _conv(8, 64, 128, 28, s=2)),
         ("resnet downsample 1x1/2 128->256 14x14 n8", _conv(8, 128, 256, 14, k=1, s=2)),
         ("resnet stem 7x7/2 3->64 112x112 n8", _conv(8, 3, 64, 112, k=7, s=2)),
         ("cnn conv2 3x3 32->64 16x16 n32", _conv(32, 32, 64, 16)),
     ],
-    "conv_input_grad_col2im": [
-        ("resnet layer1 3x3 64->64 28x28 n8", _conv(8, 64, 64, 28)),
-        ("resnet layer2 3x3 128->128 14x14 n8", _conv(8, 128, 128, 14)),
-        ("resnet layer3 3x3 256->256 7x7 n8", _conv(8, 256, 256, 7)),
-        ("resnet layer4 3x3 512->512 4x4 n8", _conv(8, 512, 512, 4)),
+    "conv_input_grad_col2im": RESNET_STAGES + [
         ("resnet layer4.0 3x3/2 256->512 7x7 n8", _conv(8, 256, 512, 7, s=2)),
     ],
     "conv_input_grad_flipped": [
         ("3x3 64->32 16x16 n32 (dx wider than dy)", _conv(32, 64, 32, 16)),
-        ("resnet layer1 3x3 64->64 28x28 n8", _conv(8, 64, 64, 28)),
-        ("resnet layer2 3x3 128->128 14x14 n8", _conv(8, 128, 128, 14)),
+        *RESNET_STAGES[:2],
         ("cnn conv2 3x3 32->64 16x16 n32", _conv(32, 32, 64, 16)),
     ],
     "max_pool_taps": [
