@@ -69,7 +69,7 @@ def grad(
         if target is not None and not group:
             from .optimize import optimize
 
-            out, _ = optimize(out, target, first=len(p.nodes))
+            out, _ = optimize(out, target, first=len(p.nodes), copy=False)     # the pass's own model
         if recompute and not group:
             from .recompute import recompute_activations
 

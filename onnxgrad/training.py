@@ -206,7 +206,7 @@ class TrainingSession:
             for s, v in states.items():
                 values[spec.state[p][s][0]] = v
         for name, v in values.items():
-            self._sets[0][name] = self._device_value(v)
+            self._sets[0][name] = self._adopt(v)
             # ... and for the tensors updated in place, both sets hold the one buffer
             self._sets[1][name] = self._sets[0][name] if name in self._inplace else self._empty_like(v)
             self._layout[name] = (tuple(v.shape), np.dtype(v.dtype))
@@ -718,8 +718,18 @@ class TrainingSession:
         return out
 
     def _device_value(self, arr: np.ndarray):
+        """A buffer of the session's own holding ``arr``'s values (a copy: the caller's array is never
+        written by the updates)."""
         arr = np.array(arr, copy=True, order="C")
         return self._ort.OrtValue.ortvalue_from_numpy(arr, self.device, self.device_id)
+
+    def _adopt(self, arr: np.ndarray):
+        """A buffer holding ``arr``, an array the artifacts made and hand over to the session: on the CPU
+        its memory itself when it is writable and its own (optimizer state fresh from ``np.zeros``, whose
+        pages take memory only when the first update writes them), else a copy."""
+        if self.device == "cpu" and arr.flags.writeable and arr.flags.c_contiguous and arr.flags.owndata:
+            return self._ort.OrtValue.ortvalue_from_numpy(arr, self.device, self.device_id)
+        return self._device_value(arr)
 
     def _empty(self, name: str):
         """An uninitialised device buffer of the shape and type of the held tensor ``name``."""

@@ -61,12 +61,13 @@ def rewrites_for(target: str | None) -> list[Rewrite]:
 
 
 def optimize(model: onnx.ModelProto, target: str | None, first: int = 0,
-             rewrites: Sequence[str] | None = None) -> tuple[onnx.ModelProto, Report]:
+             rewrites: Sequence[str] | None = None, copy: bool = True) -> tuple[onnx.ModelProto, Report]:
     """``model`` with ``target``'s rewrites (or the named ``rewrites``) applied to its nodes from index
     ``first`` on (the backward of a gradient model), and the report of what applied and what declined.
-    The applied rewrites are recorded in the model's metadata (``onnxgrad.rewrites``)."""
+    The applied rewrites are recorded in the model's metadata (``onnxgrad.rewrites``). ``copy=False``
+    rewrites ``model`` itself instead of a copy (:func:`onnxgrad.grad`'s own result: no weights copied)."""
     chosen = [REWRITES[name] for name in rewrites] if rewrites is not None else rewrites_for(target)
-    out, report = apply(model, chosen, first)
+    out, report = apply(model, chosen, first, copy)
     if report.applied:
         counts: dict[str, int] = {}
         for name, _ in report.applied:

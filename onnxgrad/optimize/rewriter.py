@@ -124,11 +124,15 @@ class Report:
         return [why for r, _, why in self.declined if r == rewrite]
 
 
-def apply(model: onnx.ModelProto, rewrites: Sequence[Rewrite], first: int = 0) -> tuple[onnx.ModelProto, Report]:
+def apply(model: onnx.ModelProto, rewrites: Sequence[Rewrite], first: int = 0, copy: bool = True
+          ) -> tuple[onnx.ModelProto, Report]:
     """``model`` with each rewrite applied, in order, wherever its pattern matches and its check passes,
-    to nodes from index ``first`` on; and the report. The model is copied, never changed in place."""
-    out = onnx.ModelProto()
-    out.CopyFrom(model)
+    to nodes from index ``first`` on; and the report. The model is copied (its weights too), or with
+    ``copy=False`` changed in place (a model the caller owns and no longer needs as it was)."""
+    out = model
+    if copy:
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
     report = Report()
     if not rewrites:
         return out, report
