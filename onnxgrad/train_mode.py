@@ -170,7 +170,7 @@ def _batch_norm_train(node: onnx.NodeProto, opset: int, names: NameScope, initia
     if opset >= 14:
         _set_attr(node, "training_mode", 1)
     _set_attr(node, "momentum", 0.0)
-    before, nodes = nodes, []
+    before, nodes = nodes, []          # emit() appends to the list now named nodes: what runs after the node
 
     # n = elements per channel = Size(x) / Shape(x)[1]; PyTorch's running variance is unbiased
     channels = emit("Gather", [emit("Shape", [x], "x_shape"), const("one", np.array([1], np.int64))], "channels",

@@ -103,20 +103,25 @@ CONV_WEIGHT_GRAD_PATCHES = Rewrite(
 _FLIP_MIN_CHANNELS = 16     # below, the ConvTranspose measured faster (weights as inputs, as in a training step)
 
 
-def _flip_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
-    """dx = ConvTranspose(dy, w) at stride 1, dilation 1, group 1, pads only: the canonical input
-    gradient of a stride-1 Conv (:func:`onnxgrad.rules.nn._window_transpose`)."""
+def _input_grad_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    """dx = ConvTranspose(dy, w), group 1, explicit pads, no output_shape or output padding: the canonical
+    input gradient of a Conv (:func:`onnxgrad.rules.nn._window_transpose`), at any stride and dilation."""
     if len(node.input) != 2 or view.attr(node, "group", 1) != 1:
         return None
     if view.attr(node, "auto_pad", "NOTSET") != "NOTSET" or view.attr(node, "output_shape") is not None:
         return None
-    strides, dilations = view.attr(node, "strides"), view.attr(node, "dilations")
     output_padding = view.attr(node, "output_padding")
-    if any(v is not None and any(s != 1 for s in v) for v in (strides, dilations)):
-        return None
     if output_padding is not None and any(output_padding):
         return None
     return Match(node, [node.output[0]], dict(dy=node.input[0], w=node.input[1]))
+
+
+def _flip_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    """:func:`_input_grad_pattern` at stride 1 and dilation 1: a stride-1 Conv's input gradient."""
+    strides, dilations = view.attr(node, "strides"), view.attr(node, "dilations")
+    if any(v is not None and any(s != 1 for s in v) for v in (strides, dilations)):
+        return None
+    return _input_grad_pattern(view, node)
 
 
 def _flip_check(view: GraphView, m: Match) -> str | None:
@@ -152,19 +157,6 @@ CONV_INPUT_GRAD_FLIPPED = Rewrite(
 _COL2IM_MAX_POSITIONS = 64    # dy's positions per image; above, the ConvTranspose measured as fast or faster
 
 
-def _col2im_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
-    """dx = ConvTranspose(dy, w), group 1, explicit pads, no output padding: the canonical input gradient
-    of a Conv (:func:`onnxgrad.rules.nn._window_transpose`), at any stride and dilation."""
-    if len(node.input) != 2 or view.attr(node, "group", 1) != 1:
-        return None
-    if view.attr(node, "auto_pad", "NOTSET") != "NOTSET":
-        return None
-    output_padding = view.attr(node, "output_padding")
-    if output_padding is not None and any(output_padding):
-        return None
-    return Match(node, [node.output[0]], dict(dy=node.input[0], w=node.input[1]))
-
-
 def _col2im_check(view: GraphView, m: Match) -> str | None:
     if view.opset < 18:
         return f"Col2Im needs opset 18, the model is at {view.opset}"
@@ -195,5 +187,5 @@ def _col2im_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
 
 
 CONV_INPUT_GRAD_COL2IM = Rewrite(
-    "conv_input_grad_col2im", "ConvTranspose", _col2im_pattern, _col2im_check, _col2im_replacement,
+    "conv_input_grad_col2im", "ConvTranspose", _input_grad_pattern, _col2im_check, _col2im_replacement,
     "a ConvTranspose with few positions per image as one Gemm over all images' positions and a Col2Im")

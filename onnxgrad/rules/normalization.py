@@ -50,10 +50,16 @@ def _channel_sum(n: Node, v: Var, rank: int) -> Var:
     return n.b.sum(v, [0] + list(range(2, rank)), keepdims=False)
 
 
+def _centered(n: Node, x: Var, axes: Sequence[int]) -> tuple[Var, Var]:
+    """(x - mean, biased variance) over ``axes``, recomputed from x."""
+    xc = x - _mean(n, x, axes)
+    return xc, _mean(n, xc * xc, axes)
+
+
 def _moments(n: Node, x: Var, axes: Sequence[int], eps: float) -> tuple[Var, Var]:
     """(xhat, inv): x standardised over ``axes`` and 1 / sqrt(var + eps), recomputed from x."""
-    xc = x - _mean(n, x, axes)
-    inv = 1.0 / n.op.Sqrt(_mean(n, xc * xc, axes) + eps)
+    xc, var = _centered(n, x, axes)
+    inv = 1.0 / n.op.Sqrt(var + eps)
     return xc * inv, inv
 
 
@@ -110,19 +116,17 @@ def _batch_norm(n: Node, training: bool):
     return _batch_norm_grads(n, x, dy, x.rank, training)
 
 
-def _batch_statistics(n: Node, x: Var, reduced: list[int]) -> tuple[Var, Var]:
-    """(mean, biased variance) of x per channel, shaped to broadcast against x.
+def _batch_centered(n: Node, x: Var, reduced: list[int]) -> tuple[Var, Var]:
+    """(x - batch mean, biased batch variance per channel, shaped to broadcast against x).
 
-    With ``momentum`` 0 the node's running outputs are exactly these (running = input * momentum +
-    batch * (1 - momentum)), so they are read, not recomputed: :mod:`onnxgrad.train_mode` gives its
-    training-mode copies momentum 0 and forms PyTorch's running statistics from them."""
+    With ``momentum`` 0 the node's running outputs are exactly the batch's mean and variance (running =
+    input * momentum + batch * (1 - momentum)), so they are read, not recomputed: :mod:`onnxgrad.train_mode`
+    gives its training-mode copies momentum 0 and forms PyTorch's running statistics from them."""
     rank = len(reduced) + 1
     outputs = n.outputs[1:3]
     if n.attr("momentum", 0.9) == 0.0 and all(o is not None for o in outputs):
-        return _per_channel(n, outputs[0], rank), _per_channel(n, outputs[1], rank)
-    mean = _mean(n, x, reduced)
-    xc = x - mean
-    return mean, _mean(n, xc * xc, reduced)
+        return x - _per_channel(n, outputs[0], rank), _per_channel(n, outputs[1], rank)
+    return _centered(n, x, reduced)
 
 
 def _batch_norm_grads(n: Node, x: Var, dy: Var, rank: int, training: bool) -> tuple:
@@ -134,9 +138,8 @@ def _batch_norm_grads(n: Node, x: Var, dy: Var, rank: int, training: bool) -> tu
         # with xc = x - mean: sum(dy * xhat) = inv * sum(dy * xc), so that
         #   dx = k * dy - xc * (k * inv^2 * sum(dy * xc) / N) - k * sum(dy) / N,   k = scale * inv,
         # per-channel factors and four full-size passes, after the two sums dB and dscale need anyway
-        batch_mean, batch_var = _batch_statistics(n, x, reduced)
+        xc, batch_var = _batch_centered(n, x, reduced)
         inv = 1.0 / n.op.Sqrt(batch_var + eps)
-        xc = x - batch_mean
         sum_dy = n.b.sum(dy, reduced, keepdims=True)
         sum_dy_xc = n.b.sum(dy * xc, reduced, keepdims=True)
         dx = None
