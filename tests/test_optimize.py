@@ -12,6 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
 from harness import Case, case_model, distinct, make_model, randn
+from onnxgrad.autodiff import backward_nodes
 from onnxgrad.errors import OnnxGradError
 from onnxgrad.optimize import REWRITES, TARGETS, optimize, target_for
 
@@ -36,10 +37,11 @@ def _seeded(model: onnx.ModelProto, gm: onnx.ModelProto, feeds: dict) -> dict[st
 
 
 def _equivalent(model: onnx.ModelProto, feeds: dict, rewrite: str, rtol: float = 1e-4, exact: bool = False,
-                **grad_args) -> onnx.ModelProto:
-    """The canonical gradient of ``model`` and the same with ``rewrite`` applied give the same outputs."""
+                beside: tuple[str, ...] = (), **grad_args) -> onnx.ModelProto:
+    """The canonical gradient of ``model`` and the same with ``rewrite`` (and the rewrites ``beside`` it)
+    applied give the same outputs."""
     gm = onnxgrad.grad(model, **grad_args)
-    fast, report = optimize(gm, None, first=len(model.graph.node), rewrites=[rewrite])
+    fast, report = optimize(gm, None, first=len(model.graph.node), rewrites=[rewrite, *beside])
     assert report.count(rewrite) >= 1, f"{rewrite} did not apply: {report.declined}"
     onnx.checker.check_model(fast, full_check=True)
     feeds = _seeded(model, gm, feeds)
@@ -113,6 +115,58 @@ def test_conv_weight_grad_patches_declines_with_a_reason(case, reason):
     _, report = optimize(gm, "cpu", first=1)
     assert report.count("conv_weight_grad_patches") == 0
     assert any(reason in why for why in report.reasons("conv_weight_grad_patches")), report.declined
+
+
+# -- conv_forward_patches ---------------------------------------------------------------------------
+FORWARD_PATCH_CASES = [
+    Case("Conv", [randn(3, 6, 4, 4), randn(5, 6, 3, 3)], dict(pads=[1, 1, 1, 1]), id="3x3", wrt=[0, 1]),
+    Case("Conv", [randn(2, 3, 6, 7), randn(5, 3, 3, 3), randn(5)], dict(pads=[1, 1, 1, 1], strides=[2, 2]),
+         id="stride-bias"),
+    Case("Conv", [randn(2, 3, 7, 6), randn(4, 3, 3, 2)], dict(strides=[2, 1], pads=[1, 0, 1, 1]),
+         id="stride-asymmetric-pads", wrt=[1]),
+    Case("Conv", [randn(2, 2, 9, 9), randn(3, 2, 3, 3)], dict(dilations=[2, 2], pads=[2, 1, 0, 2]),
+         id="dilation", wrt=[1]),
+    Case("Conv", [randn(2, 4, 5, 5), randn(6, 4, 1, 1)], dict(strides=[2, 2]), id="1x1-stride-2", wrt=[0, 1]),
+    Case("Conv", [randn(2, 3, 11), randn(4, 3, 3)], dict(pads=[1, 1], strides=[2]), id="1-d", wrt=[1]),
+    Case("Conv", [randn(1, 2, 3, 5, 4), randn(3, 2, 2, 2, 2)], dict(pads=[1, 0, 1, 0, 1, 0]), id="3-d", wrt=[1]),
+]
+
+
+@pytest.mark.parametrize("case", FORWARD_PATCH_CASES, ids=str)
+def test_conv_forward_patches_shares_the_patches_with_the_weight_gradient(case):
+    """The forward Conv becomes patches and a MatMul; the weight gradient reads those patches (one patches
+    Conv in the whole graph, in the forward) and the forward's node count is recorded again."""
+    model, feeds, wrt = case_model(case)
+    fast = _equivalent(model, feeds, "conv_forward_patches", beside=("conv_weight_grad_patches",), wrt=wrt,
+                       of=["y0"])
+    patches = [n for n in fast.graph.node if n.op_type == "Conv"]
+    assert len(patches) == 1 and patches[0].name.startswith("Conv_node/conv_forward_patches/"), _ops(fast)
+    forward = len(fast.graph.node) - len(backward_nodes(fast))
+    assert [n.op_type for n in fast.graph.node[:forward]][-1] in ("MatMul", "Reshape", "Add")
+    assert all("/grad/" in n.name or n.name.startswith("y0") or "seed" in n.name
+               for n in backward_nodes(fast)), [n.name for n in backward_nodes(fast)]
+
+
+@pytest.mark.parametrize("case, reason", [
+    (Case("Conv", [randn(1, 2, 12, 12), randn(3, 2, 3, 3)], dict(pads=[1, 1, 1, 1]), wrt=[1]), "144 positions"),
+    (Case("Conv", [randn(1, 2, 12, 12), randn(3, 2, 5, 5)], dict(strides=[3, 3]), wrt=[1]), "25 taps"),
+], ids=["many-positions", "large-kernel"])
+def test_conv_forward_patches_declines_with_a_reason(case, reason):
+    model, _, wrt = case_model(case)
+    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    fast, report = optimize(gm, "cpu", first=1)
+    assert report.count("conv_forward_patches") == 0
+    assert any(reason in why for why in report.reasons("conv_forward_patches")), report.declined
+    assert fast.graph.node[0].op_type == "Conv" and len(fast.graph.node) - len(backward_nodes(fast)) == 1
+
+
+def test_conv_forward_patches_leaves_a_conv_without_a_weight_gradient_alone():
+    """Nothing to share: a Conv whose weight is not differentiated keeps onnxruntime's Conv."""
+    model, feeds, _ = case_model(Case("Conv", [randn(2, 3, 4, 4), randn(5, 3, 3, 3)], dict(pads=[1, 1, 1, 1]),
+                                      wrt=[0]))
+    fast, report = optimize(onnxgrad.grad(model, wrt=["x0"], of=["y0"]), "cpu", first=1)
+    assert report.count("conv_forward_patches") == 0 and not report.reasons("conv_forward_patches")
+    assert fast.graph.node[0].op_type == "Conv"
 
 
 # -- conv_input_grad_flipped ----------------------------------------------------------------------
@@ -236,8 +290,13 @@ def test_cpu_target_matches_the_canonical_graph_on_a_network():
     fast = onnxgrad.grad(model, wrt=["w1", "s", "b", "w2", "fc"], loss="loss", target="cpu")
     onnx.checker.check_model(fast, full_check=True)
     meta = {p.key: p.value for p in fast.metadata_props}
-    assert "conv_weight_grad_patches" in meta["onnxgrad.rewrites"] and "max_pool_taps" in meta["onnxgrad.rewrites"]
-    assert [n.op_type for n in fast.graph.node[:11]] == [n.op_type for n in model.graph.node]   # forward first
+    for rewrite in ("conv_forward_patches", "conv_weight_grad_patches", "max_pool_taps"):
+        assert rewrite in meta["onnxgrad.rewrites"]
+    forward = fast.graph.node[:len(fast.graph.node) - len(backward_nodes(fast))]     # forward first
+    assert [n.name for n in forward if n.name in {m.name for m in model.graph.node}] == [
+        n.name for n in model.graph.node if n.name != "conv2"]
+    assert all(n.name.startswith("conv2/conv_forward_patches/") for n in forward if n.name not in {
+        m.name for m in model.graph.node})
     want, got = _run(canonical, feeds), _run(fast, feeds)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4 * np.abs(want[name]).max())

@@ -4,7 +4,8 @@ The rules of :mod:`onnxgrad.rules` emit canonical adjoints (a Conv's input gradi
 ConvTranspose, its weight gradient the swapped-role Conv, MaxPool's a scatter at its Indices).
 What is fastest depends on the runtime's kernels, so the measured fast paths live here as rewrite
 rules (pattern, check with a reason, replacement: see :mod:`onnxgrad.optimize.rewriter`), grouped
-per target:
+per target. A rewrite may also anchor on the forward, where the backward then shares what the new
+form computes (``conv_forward_patches``: the weight gradient reads the forward's patches). Targets:
 
 - ``None``: the canonical graph;
 - ``"cpu"``: onnxruntime's CPUExecutionProvider;
@@ -22,7 +23,7 @@ from typing import Any, Sequence
 import onnx
 
 from ..errors import OnnxGradError
-from .conv import CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, CONV_WEIGHT_GRAD_PATCHES
+from .conv import CONV_FORWARD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, CONV_WEIGHT_GRAD_PATCHES
 from .masks import WHERE_ZERO_AS_MUL
 from .pool import MAX_POOL_TAPS
 from .rewriter import Report, Rewrite, apply
@@ -30,11 +31,12 @@ from .rewriter import Report, Rewrite, apply
 __all__ = ["REWRITES", "TARGETS", "optimize", "target_for"]
 
 REWRITES: dict[str, Rewrite] = {r.name: r for r in (
-    CONV_WEIGHT_GRAD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, MAX_POOL_TAPS, WHERE_ZERO_AS_MUL)}
+    CONV_FORWARD_PATCHES, CONV_WEIGHT_GRAD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, MAX_POOL_TAPS,
+    WHERE_ZERO_AS_MUL)}
 
 TARGETS: dict[str, tuple[str, ...]] = {
-    "cpu": ("conv_weight_grad_patches", "conv_input_grad_col2im", "conv_input_grad_flipped", "max_pool_taps",
-            "where_zero_as_mul"),
+    "cpu": ("conv_forward_patches", "conv_weight_grad_patches", "conv_input_grad_col2im", "conv_input_grad_flipped",
+            "max_pool_taps", "where_zero_as_mul"),
     "cuda": (),
 }
 

@@ -68,16 +68,39 @@ def _weight_grad_check(view: GraphView, m: Match) -> str | None:
     return None
 
 
+def _onehot(c: int, kernel: list[int]) -> np.ndarray:
+    """The kernel [C*K, 1, *k] of the patches Conv: for each channel, one one-hot kernel per tap."""
+    taps = int(np.prod(kernel))
+    return np.tile(np.eye(taps).reshape(taps, 1, *kernel), (c, 1) + (1,) * len(kernel))
+
+
+def _patches(b: Builder, view: GraphView, x: str, c: int, kernel: list[int], strides: list[int],
+             dilations: list[int], pads: list[int]) -> Var:
+    """im2col of x, [N, C*K, *O]: one Conv of x with the one-hot kernel, group = C. The forward's own
+    patches of x (:data:`CONV_FORWARD_PATCHES`), where they are there, are read instead."""
+    rank = len(kernel)
+    for node in view.readers.get(x, []):
+        if (node.op_type == "Conv" and node.input[0] == x and len(node.input) == 2
+                and view.attr(node, "group", 1) == c and view.attr(node, "auto_pad", "NOTSET") == "NOTSET"
+                and view.attr(node, "strides", [1] * rank) == list(strides)
+                and view.attr(node, "dilations", [1] * rank) == list(dilations)
+                and view.attr(node, "pads", [0] * (2 * rank)) == list(pads)):
+            w = view.value(node.input[1])
+            if w is not None and w.shape == (c * int(np.prod(kernel)), 1, *kernel) and (w == _onehot(c, kernel)).all():
+                return b.var(node.output[0])
+    return b.op.Conv(b.var(x), b.const(_onehot(c, kernel), b.var(x).dtype), group=c, strides=strides,
+                     dilations=dilations, pads=pads)
+
+
 def _weight_grad_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
     """dW[m, c, k] = sum_{b, o} dy[b, m, o] * patches[b, c*K + k, o]: the patches (im2col) from one Conv
-    of x with a constant one-hot kernel per tap, group = C; then one Gemm over (batch, position), or
-    batched MatMuls and a sum over the batch when the positions alone are many (no transposes)."""
-    x, dy = b.var(m.x), b.var(m.dy)
+    of x with a constant one-hot kernel per tap, group = C (or the forward's, :func:`_patches`); then one
+    Gemm over (batch, position), or batched MatMuls and a sum over the batch when the positions alone are
+    many (no transposes)."""
+    dy = b.var(m.dy)
     (n, c, *_), (_, out_ch, *o), (_, _, *kernel) = view.shape(m.x), view.shape(m.dy), view.shape(m.outputs[0])
     taps, positions = int(np.prod(kernel)), int(np.prod(o))
-    onehot = np.tile(np.eye(taps).reshape(taps, 1, *kernel), (c, 1) + (1,) * len(kernel))     # [C*K, 1, *k]
-    patches = b.op.Conv(x, b.const(onehot, x.dtype), group=c, strides=m.strides, dilations=m.dilations,
-                        pads=m.pads)                                                          # [N, C*K, *O]
+    patches = _patches(b, view, m.x, c, kernel, m.strides, m.dilations, m.pads)              # [N, C*K, *O]
     if n == 1:
         dw = b.op.Gemm(b.op.Reshape(dy, b.ints([out_ch, positions])),
                        b.op.Reshape(patches, b.ints([c * taps, positions])), transB=1)
@@ -97,6 +120,71 @@ def _weight_grad_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]
 CONV_WEIGHT_GRAD_PATCHES = Rewrite(
     "conv_weight_grad_patches", "Conv", _weight_grad_pattern, _weight_grad_check, _weight_grad_replacement,
     "the swapped-role Conv of a weight gradient as one-hot-Conv patches and a Gemm")
+
+
+# -- forward: patches and one MatMul, the patches shared with the weight gradient ----------------------
+_FORWARD_MAX_POSITIONS = 64     # output positions per image; above, onnxruntime's Conv measured as fast or faster
+
+
+def _forward_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    """y = Conv(x, w[, b]), group 1, explicit pads, whose weight gradient the backward computes in its
+    canonical form (:func:`_weight_grad_pattern` on a Conv reading x swapped, at the same strides,
+    dilations and pads): that gradient then reads the forward's patches."""
+    if len(node.input) < 2 or view.attr(node, "group", 1) != 1 or view.attr(node, "auto_pad", "NOTSET") != "NOTSET":
+        return None
+    x = node.input[0]
+    rank = len(view.info(node.input[1]).shape or ()) - 2
+    if rank < 1:
+        return None
+    strides, dilations = view.attr(node, "strides", [1] * rank), view.attr(node, "dilations", [1] * rank)
+    pads = view.attr(node, "pads", [0] * (2 * rank))
+    for swap in view.readers.get(x, []):
+        if swap.op_type != "Transpose" or not _is_swap(swap, rank):
+            continue
+        for reader in view.readers.get(swap.output[0], []):
+            grad = _weight_grad_pattern(view, reader) if reader.op_type == "Conv" else None
+            if grad is not None and (grad.strides, grad.dilations, grad.pads) == (strides, dilations, pads):
+                bias = node.input[2] if len(node.input) > 2 else ""
+                return Match(node, [node.output[0]], dict(x=x, w=node.input[1], bias=bias, strides=strides,
+                                                          dilations=dilations, pads=pads))
+    return None
+
+
+def _forward_check(view: GraphView, m: Match) -> str | None:
+    xs, ws, ys = view.shape(m.x), view.shape(m.w), view.shape(m.outputs[0])
+    if xs is None or ws is None or ys is None:
+        return "x, w and y need static shapes"
+    if view.info(m.x).dtype not in FLOAT_TYPES:
+        return "x is not a float tensor of known type"
+    taps, positions = int(np.prod(ws[2:])), int(np.prod(ys[2:]))
+    if taps > _PATCH_MAX_TAPS:
+        return f"a kernel of {taps} taps: the weight gradient keeps the swapped-role Conv above {_PATCH_MAX_TAPS}"
+    if positions > _FORWARD_MAX_POSITIONS:
+        return f"{positions} positions per image: the Conv is as fast above {_FORWARD_MAX_POSITIONS}"
+    if xs[0] * xs[1] * taps * positions > _PATCH_MAX_ELEMENTS:
+        return f"the patches would exceed {_PATCH_MAX_ELEMENTS} elements"
+    return None
+
+
+def _forward_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """y[b] = w as [M, C*K] @ patches[b] as [C*K, L] (+ bias): onnxruntime's Conv with a weight that is an
+    input (updated every step) runs im2col and a Gemm that repacks w each time; the patches come from a Conv
+    with a constant kernel (its fast path) and the weight gradient reads them instead of making its own."""
+    (n, c, *_), (out_ch, _, *kernel), (_, _, *o) = view.shape(m.x), view.shape(m.w), view.shape(m.outputs[0])
+    taps, positions = int(np.prod(kernel)), int(np.prod(o))
+    patches = _patches(b, view, m.x, c, kernel, m.strides, m.dilations, m.pads)
+    y = b.op.MatMul(b.op.Reshape(b.var(m.w), b.ints([out_ch, c * taps])),
+                    b.op.Reshape(patches, b.ints([n, c * taps, positions])))                 # [N, M, L]
+    y = b.op.Reshape(y, b.ints([n, out_ch, *o]))
+    if m.bias:
+        y = y + b.op.Reshape(b.var(m.bias), b.ints([out_ch] + [1] * len(o)))
+    return [y]
+
+
+CONV_FORWARD_PATCHES = Rewrite(
+    "conv_forward_patches", "Conv", _forward_pattern, _forward_check, _forward_replacement,
+    "a forward Conv with few positions per image as one-hot-Conv patches and a MatMul, the patches shared "
+    "with its weight gradient", forward=True)
 
 
 # -- input gradient: ConvTranspose as a Conv with the flipped kernel ------------------------------

@@ -78,8 +78,10 @@ class GraphView:
                 return list(value) if isinstance(value, (list, tuple)) or a.type == a.INTS else value
         return default
 
-    def candidates(self, op_type: str) -> list[onnx.NodeProto]:
-        return [n for n in self.nodes[self.first:] if n.op_type == op_type and n.domain in ("", "ai.onnx")]
+    def candidates(self, op_type: str, forward: bool = False) -> list[onnx.NodeProto]:
+        """The ``op_type`` nodes a rewrite may replace: the backward's, or with ``forward`` the forward's."""
+        nodes = self.nodes[:self.first] if forward else self.nodes[self.first:]
+        return [n for n in nodes if n.op_type == op_type and n.domain in ("", "ai.onnx")]
 
 
 @dataclass
@@ -100,7 +102,9 @@ class Match:
 @dataclass(frozen=True)
 class Rewrite:
     """One rewrite rule: ``pattern(view, node) -> Match | None``, ``check(view, match) -> reason | None``,
-    ``replacement(builder, view, match) -> [Var]`` (one per matched output)."""
+    ``replacement(builder, view, match) -> [Var]`` (one per matched output). A rewrite anchors on the
+    backward's nodes, or with ``forward`` on the forward's (a forward op computed in a form the backward
+    then shares)."""
 
     name: str
     op_type: str
@@ -108,6 +112,7 @@ class Rewrite:
     check: Callable[[GraphView, Match], str | None]
     replacement: Callable[[Builder, GraphView, Match], Sequence[Var]]
     doc: str = ""
+    forward: bool = False
 
 
 @dataclass
@@ -127,8 +132,10 @@ class Report:
 def apply(model: onnx.ModelProto, rewrites: Sequence[Rewrite], first: int = 0, copy: bool = True
           ) -> tuple[onnx.ModelProto, Report]:
     """``model`` with each rewrite applied, in order, wherever its pattern matches and its check passes,
-    to nodes from index ``first`` on; and the report. The model is copied (its weights too), or with
-    ``copy=False`` changed in place (a model the caller owns and no longer needs as it was)."""
+    to nodes from index ``first`` on (a ``forward`` rewrite: to those before it; the model's
+    ``onnxgrad.forward_nodes`` then counts the forward's nodes as they are); and the report. The model is
+    copied (its weights too), or with ``copy=False`` changed in place (a model the caller owns and no
+    longer needs as it was)."""
     out = model
     if copy:
         out = onnx.ModelProto()
@@ -147,7 +154,7 @@ def apply(model: onnx.ModelProto, rewrites: Sequence[Rewrite], first: int = 0, c
     read_before = set(view.readers)
     changed = False
     for rw in rewrites:
-        for node in view.candidates(rw.op_type):
+        for node in view.candidates(rw.op_type, rw.forward):
             if id(node) in view.removed:        # replaced by an earlier match
                 continue
             match = rw.pattern(view, node)
@@ -165,6 +172,8 @@ def apply(model: onnx.ModelProto, rewrites: Sequence[Rewrite], first: int = 0, c
         nodes = view.nodes
         del g.node[:]
         g.node.extend(nodes)
+        if view.first != first:
+            M.set_metadata(out, {"onnxgrad.forward_nodes": str(view.first)})
     return out, report
 
 
@@ -190,6 +199,8 @@ def _replace(view: GraphView, names: NameScope, rw: Rewrite, match: Match) -> No
         at += 1
     else:
         view.removed.add(id(nodes.pop(at)))
+    if at < view.first:          # a forward node replaced: the backward starts further on
+        view.first += len(b.nodes) - (0 if keep else 1)
     nodes[at:at] = b.nodes
     view._refresh()
 
