@@ -80,6 +80,8 @@ class TrainingSpec:
     train_mode: bool = False
     grads: dict[str, str] = field(default_factory=dict)            # parameter -> gradient output (keep_grads)
     recompute: bool = False                      # the backward recomputes activations (onnxgrad.recompute)
+    # parameter -> state -> factor: the graph holds PyTorch's value times it (optim.Optimizer.state_scale)
+    state_scale: dict[str, dict[str, float]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -346,7 +348,8 @@ class _Builder:
             frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
             accumulation_steps=self.k, guard=self.guard,
             buffers={r: [r, final[f"{r}.next"]] for r in self.running}, train_mode=self.train_mode,
-            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final}, recompute=self.recompute)
+            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final}, recompute=self.recompute,
+            state_scale={} if accumulate else self._state_scale())
         return m, spec
 
     # The split step: backward into flat buckets | all-reduce (not here) | update from the reduced buckets.
@@ -454,7 +457,8 @@ class _Builder:
             state={p: {s: [i, final[o]] for s, (i, o) in st.items()} for p, st in state_names.items()},
             accumulators={}, frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
             accumulation_steps=self.k, guard=self.guard, train_mode=self.train_mode,
-            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final}, recompute=self.recompute)
+            grads={p: final[f"{p}.grad"] for p in self.params if f"{p}.grad" in final}, recompute=self.recompute,
+            state_scale=self._state_scale())
         return m, spec
 
     def _gradient_graph(self) -> tuple[onnx.ModelProto, "_Emitter", list[str]]:
@@ -497,6 +501,12 @@ class _Builder:
                  + (" (the graph returns the old values)" if self.guard else ""))
         return sumsq, finite
 
+    def _state_scale(self) -> dict[str, dict[str, float]]:
+        """How the update graph holds each parameter's optimizer state (:meth:`Optimizer.state_scale`)."""
+        scales = {p: self.optimizer.for_param(p, self.torch_names.get(p)).state_scale(self.dtypes[p])
+                  for p in self.params}
+        return {p: scale for p, scale in scales.items() if scale}
+
     def _update(self, e: "_Emitter", grads: dict[str, Var], sumsq: Var, finite: Var
                 ) -> tuple[Var, Var, dict[str, dict[str, list[str]]]]:
         """The ``grad_norm`` output, clipping, (kept gradients) and the optimizer update of every parameter:
@@ -529,8 +539,10 @@ class _Builder:
             pb = ob.scoped(f"train/optimizer/{p}", f"{type(self.optimizer).__name__} update of '{p}'")
             ctx.b = pb
             optimizer = self.optimizer.for_param(p, self.torch_names.get(p))
+            scale = optimizer.state_scale(self.dtypes[p])
             state = {s: e.add_input(f"{p}.{s}", self.dtypes[p], self.shapes[p],
-                                    f"optimizer state '{s}' of '{p}'",
+                                    f"optimizer state '{s}' of '{p}'"
+                                    + (f", held as PyTorch's value times {scale[s]:g}" if s in scale else ""),
                                     optimizer.initial_state(self.initial[p])[s] if self.defaults else None)
                      for s in optimizer.active_state()}
             new_p, new_state = optimizer.update(ctx, pb.var(p), grads[p], state)

@@ -53,7 +53,8 @@ __all__ = ["TrainingSession", "CheckpointError", "CorruptCheckpointError", "Chec
            "NonFiniteError", "NonFiniteWarning"]
 
 CHECKPOINT_FORMAT = "onnxgrad-checkpoint"
-CHECKPOINT_VERSION = 1
+CHECKPOINT_VERSION = 2          # 2: optimizer state as the graph holds it, with the header's "state_scale"
+READS_VERSIONS = (1, 2)         # 1: PyTorch's state values
 
 
 class CheckpointError(OnnxGradError):
@@ -513,9 +514,31 @@ class TrainingSession:
         return {p: np.array(v.numpy()) for p, v in self._grad_bufs.items()}
 
     def optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
-        """``{parameter: {state name: array}}``, e.g. ``{"W": {"exp_avg": ..., "exp_avg_sq": ...}}``."""
-        return {p: {s: np.array(self._cur[i].numpy()) for s, (i, _) in st.items()}
+        """``{parameter: {state name: array}}``, e.g. ``{"W": {"exp_avg": ..., "exp_avg_sq": ...}}``: PyTorch's
+        values (the graph may hold them scaled: ``TrainingSpec.state_scale``)."""
+        return {p: {s: self._state_value(p, s, np.array(self._cur[i].numpy())) for s, (i, _) in st.items()}
                 for p, st in self.spec.state.items()}
+
+    def _state_value(self, param: str, state: str, held: np.ndarray) -> np.ndarray:
+        """PyTorch's value of a state tensor the graph holds as ``held`` (scaled: divided, in place when
+        ``held`` is a copy of the session's own)."""
+        factor = self.spec.state_scale.get(param, {}).get(state)
+        if factor is None:
+            return held
+        if held.flags.writeable and held.flags.owndata:
+            held /= held.dtype.type(factor)
+            return held
+        return held / held.dtype.type(factor)
+
+    def _held_state(self, param: str, state: str, value: np.ndarray, factor: float | None = None) -> np.ndarray:
+        """What this graph holds for a state tensor held as ``value`` at scale ``factor`` (None: PyTorch's
+        value); as it is when the scales agree (a checkpoint of this configuration resumes bit for bit)."""
+        mine = self.spec.state_scale.get(param, {}).get(state)
+        if mine == factor:
+            return value
+        if factor is not None:
+            value = value / value.dtype.type(factor)
+        return value if mine is None else value * value.dtype.type(mine)
 
     def load_parameters(self, values: Mapping[str, np.ndarray]) -> None:
         """Overwrite some trainable parameters (shapes and types must match)."""
@@ -558,7 +581,7 @@ class TrainingSession:
             arrays.append(({"kind": "param", "name": p}, self._cur[p].numpy()))
         for r in self.spec.buffers:
             arrays.append(({"kind": "buffer", "name": r}, self._cur[r].numpy()))
-        for p, st in self.spec.state.items():
+        for p, st in self.spec.state.items():      # as the graph holds them: "state_scale" in the header
             for s, (i, _) in st.items():
                 arrays.append(({"kind": "state", "param": p, "state": s}, self._cur[i].numpy()))
         if self.spec.accumulation_steps > 1 and self._acc_valid:
@@ -582,6 +605,7 @@ class TrainingSession:
             "keep_grads": bool(self.spec.grads),
             "strict_tags": self._strict_tags,
             "recompute": self.spec.recompute,
+            "state_scale": self.spec.state_scale,
             "clip_grad_norm": self.spec.clip_grad_norm,
             "accumulation_steps": self.spec.accumulation_steps,
             "on_nonfinite": self.on_nonfinite,
@@ -656,7 +680,8 @@ class TrainingSession:
                 if st is None:
                     problems.append(f"it holds state '{meta['state']}' of '{meta['param']}', unknown here")
                 else:
-                    values[st[0]] = a
+                    saved = header.get("state_scale", {}).get(meta["param"], {}).get(meta["state"])
+                    values[st[0]] = self._held_state(meta["param"], meta["state"], a, saved)
             elif meta["kind"] == "grad_acc" and meta["param"] in spec.accumulators:
                 accs[spec.accumulators[meta["param"]][0]] = a
         missing = [n for n in self._cur if n not in values]
@@ -848,9 +873,9 @@ def _read_checkpoint(path: str) -> tuple[dict, bytes, list[np.ndarray]]:
             header = json.loads(z.read("header.json"))
             if header.get("format") != CHECKPOINT_FORMAT:
                 raise CorruptCheckpointError(f"'{path}' is not an onnxgrad checkpoint")
-            if header.get("version") != CHECKPOINT_VERSION:
+            if header.get("version") not in READS_VERSIONS:
                 raise CorruptCheckpointError(f"checkpoint '{path}' has format version {header.get('version')}; "
-                                             f"this onnxgrad reads version {CHECKPOINT_VERSION}")
+                                             f"this onnxgrad reads versions {', '.join(map(str, READS_VERSIONS))}")
             model_bytes = z.read("model.onnx")
             if hashlib.sha256(model_bytes).hexdigest() != header.get("model_sha256"):
                 raise CorruptCheckpointError(f"checkpoint '{path}': its model does not match its checksum")

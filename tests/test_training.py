@@ -1,9 +1,11 @@
 """TrainingSession, the training artifacts and the optimizers: PyTorch trajectories, checkpoints, NaN handling, CLI."""
+import io
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -75,10 +77,11 @@ UPDATE_OPS = [
     (optim.SGD(lr=0.1, momentum=0.9), "Mul Add Mul Sub"),
     (optim.SGD(lr=0.1, momentum=0.9, dampening=0.3), "Mul Mul Add Mul Sub"),
     (optim.SGD(lr=0.05, momentum=0.8, nesterov=True, weight_decay=0.01), "Mul Add Mul Add Mul Add Mul Sub"),
-    (optim.Adam(), "Sub Mul Add Mul Mul Mul Add Sqrt Add Mul Div Sub"),
-    (optim.Adam(eps=0.0), "Sub Mul Add Mul Mul Mul Add Sqrt Mul Div Sub"),
-    (optim.Adam(weight_decay=0.01), "Mul Add Sub Mul Add Mul Mul Mul Add Sqrt Add Mul Div Sub"),
-    (optim.AdamW(), "Mul Sub Mul Add Mul Mul Mul Add Sqrt Add Mul Div Sub"),
+    # the moments held scaled (optim.Adam): M = beta1 M + g, V = beta2 V + g g
+    (optim.Adam(), "Mul Add Mul Mul Add Sqrt Add Mul Div Sub"),
+    (optim.Adam(eps=0.0), "Mul Add Mul Mul Add Sqrt Mul Div Sub"),
+    (optim.Adam(weight_decay=0.01), "Mul Add Mul Add Mul Mul Add Sqrt Add Mul Div Sub"),
+    (optim.AdamW(), "Mul Mul Add Mul Mul Add Sqrt Add Mul Div Sub"),
     (optim.Adagrad(), "Mul Add Sqrt Add Mul Div Sub"),
     (optim.Adagrad(lr_decay=0.05, weight_decay=1e-3), "Mul Add Mul Add Sqrt Add Mul Div Sub"),
 ]
@@ -148,6 +151,28 @@ def test_adam_matches_pytorch_formulas_on_both_lerp_branches(optimizer):
     state = s.optimizer_state()["w"]
     np.testing.assert_allclose(state["exp_avg"], m, rtol=0, atol=1e-6)
     np.testing.assert_allclose(state["exp_avg_sq"], v, rtol=0, atol=1e-6)
+
+
+def test_adam_holds_its_moments_scaled_for_float32_and_as_they_are_for_16_bit_parameters():
+    """M = m / (1 - beta1), V = v / (1 - beta2): two full-size ops fewer, recorded in the spec (and the state
+    inputs' doc strings); float16 moments as PyTorch's (V would overflow float16 a thousand times sooner)."""
+    opt = optim.AdamW(betas=(0.8, 0.99))
+    assert opt.state_scale(onnx.TensorProto.FLOAT) == pytest.approx({"exp_avg": 5.0, "exp_avg_sq": 100.0})
+    assert opt.state_scale(onnx.TensorProto.FLOAT16) == {} and optim.SGD(momentum=0.9).state_scale(F) == {}
+    art = artifacts.build(linear_loss_model(), "loss", opt, guard=False)
+    assert art.spec.state_scale == {"w": opt.state_scale(F)}
+    assert "times 100" in next(i.doc_string for i in art.train.graph.input if i.name == "w.exp_avg_sq")
+    half = onnx.helper.make_model(onnx.helper.make_graph(
+        [onnx.helper.make_node("Mul", ["w", "x"], ["wx"]),
+         onnx.helper.make_node("ReduceSum", ["wx"], ["loss"], keepdims=0)], "half",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT16, [3, 4])],
+        [onnx.helper.make_tensor_value_info("loss", onnx.TensorProto.FLOAT16, [])],
+        [onnx.numpy_helper.from_array(np.ones((3, 4), np.float16), "w")]),
+        opset_imports=[onnx.helper.make_opsetid("", 17)])
+    art = artifacts.build(half, "loss", opt, guard=False)
+    assert art.spec.state_scale == {}
+    assert [n.op_type for n in art.train.graph.node if n.name.startswith("train/optimizer/w/")
+            and n.op_type != "Constant"] == "Mul Sub Mul Add Mul Mul Mul Add Sqrt Add Mul Div Sub".split()
 
 
 # -- the session ----------------------------------------------------------------------------------------
@@ -374,6 +399,37 @@ def test_resume_gives_bitwise_identical_steps(tmp_path, optimizer):
     assert [r.step(batch(step)) for step in (3, 4)] == expected_losses
     for name, value in r.parameters().items():
         np.testing.assert_array_equal(value, expected[name])
+
+
+def test_a_version_1_checkpoint_holding_pytorchs_state_values_resumes(tmp_path):
+    """Checkpoints of format version 1 hold the optimizer state as PyTorch's values (no "state_scale"):
+    read into a session that holds Adam's moments scaled, they give the same steps (up to the rounding of
+    the scale)."""
+    s = trained()
+    path, old = tmp_path / "v2", tmp_path / "v1"
+    s.save(path)
+    with zipfile.ZipFile(path) as z:
+        header = json.loads(z.read("header.json"))
+        members = {name: z.read(name) for name in z.namelist()}
+    assert header["version"] == 2 and header["state_scale"] == s.spec.state_scale
+    pytorch = s.optimizer_state()
+    header["version"] = 1
+    del header["state_scale"]
+    with zipfile.ZipFile(old, "w") as z:
+        for name, data in members.items():
+            if name.startswith("arrays/"):
+                meta = header["arrays"][int(name[len("arrays/"):-len(".npy")])]
+                if meta["kind"] == "state":
+                    buf = io.BytesIO()
+                    np.lib.format.write_array(buf, pytorch[meta["param"]][meta["state"]], allow_pickle=False)
+                    data = buf.getvalue()
+            z.writestr(name, json.dumps(header) if name == "header.json" else data)
+    r = TrainingSession.load(old)
+    for p, st in r.optimizer_state().items():
+        for k, v in st.items():
+            np.testing.assert_allclose(v, pytorch[p][k], rtol=1e-6, atol=0, err_msg=f"{p}.{k}")
+    np.testing.assert_allclose([r.step(batch(step)) for step in (3, 4)], [s.step(batch(step)) for step in (3, 4)],
+                               rtol=1e-6)
 
 
 def test_resume_mid_accumulation(tmp_path):
