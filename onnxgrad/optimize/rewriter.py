@@ -29,11 +29,13 @@ class GraphView:
         g = model.graph
         self.model = model
         self.opset = M.opset_of(model)
-        self.first = first                                   # nodes before it are not rewritten
+        self.first = first                                   # where the backward starts
         self.infos, _ = M.tensor_infos(model)
         self.constants = M.constant_values(model)
         self.nodes = list(g.node)                            # the working list; written back by apply
-        self.removed: set[int] = set()
+        self.forward = {id(n) for n in self.nodes[:first]}   # the forward's nodes, those of its rewrites too
+        # replaced nodes by id, kept alive so that no new node takes the id of one gone
+        self.removed: dict[int, onnx.NodeProto] = {}
         self._refresh()
 
     def _refresh(self) -> None:
@@ -172,8 +174,9 @@ def apply(model: onnx.ModelProto, rewrites: Sequence[Rewrite], first: int = 0, c
         nodes = view.nodes
         del g.node[:]
         g.node.extend(nodes)
-        if view.first != first:
-            M.set_metadata(out, {"onnxgrad.forward_nodes": str(view.first)})
+        forward = sum(id(n) in view.forward for n in nodes)       # after the sweep
+        if forward != first:
+            M.set_metadata(out, {"onnxgrad.forward_nodes": str(forward)})
     return out, report
 
 
@@ -186,6 +189,7 @@ def _replace(view: GraphView, names: NameScope, rw: Rewrite, match: Match) -> No
     values = list(rw.replacement(b, view, match))
     nodes = view.nodes
     at = next(i for i, n in enumerate(nodes) if n is root)
+    in_forward = id(root) in view.forward
     for v, name in zip(values, match.outputs):
         if v.name in b.made and v.name not in b.constant_names:
             rename_tensors(b.nodes, {v.name: name})
@@ -198,8 +202,9 @@ def _replace(view: GraphView, names: NameScope, rw: Rewrite, match: Match) -> No
         root.output.extend(o if o in keep else "" for o in root_outputs)
         at += 1
     else:
-        view.removed.add(id(nodes.pop(at)))
-    if at < view.first:          # a forward node replaced: the backward starts further on
+        view.removed[id(root)] = nodes.pop(at)
+    if in_forward:                      # the replacement is the forward's: the backward starts further on
+        view.forward.update(id(n) for n in b.nodes)
         view.first += len(b.nodes) - (0 if keep else 1)
     nodes[at:at] = b.nodes
     view._refresh()
