@@ -170,9 +170,12 @@ def test_conv_forward_patches_leaves_a_conv_without_a_weight_gradient_alone():
 
 
 # -- conv_input_grad_flipped ----------------------------------------------------------------------
-@pytest.mark.parametrize("pads", [[1, 1, 1, 1], [0, 2, 1, 0]])
-def test_conv_input_grad_flipped(pads):
-    case = Case("Conv", [randn(1, 24, 5, 6), randn(16, 24, 3, 3)], attrs=dict(pads=pads), wrt=[0])
+@pytest.mark.parametrize("kernel, pads", [((3, 3), [1, 1, 1, 1]), ((3, 3), [0, 2, 1, 0]), ((2, 3), [1, 0, 0, 2]),
+                                          ((3,), [2, 0])], ids=["3x3", "3x3-asymmetric-pads", "2x3", "1-d"])
+def test_conv_input_grad_flipped(kernel, pads):
+    """Every spatial axis reversed at once, as the taps' row-major order reversed (non-square kernels too)."""
+    image = (5, 6)[:len(kernel)]
+    case = Case("Conv", [randn(1, 24, *image), randn(16, 24, *kernel)], attrs=dict(pads=pads), wrt=[0])
     fast = _case(case, "conv_input_grad_flipped")
     assert "ConvTranspose" not in _ops(fast) and _ops(fast).count("Conv") == 2
 
