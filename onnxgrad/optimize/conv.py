@@ -146,23 +146,18 @@ def _forward_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
             if grad is not None and (grad.strides, grad.dilations, grad.pads) == (strides, dilations, pads):
                 bias = node.input[2] if len(node.input) > 2 else ""
                 return Match(node, [node.output[0]], dict(x=x, w=node.input[1], bias=bias, strides=strides,
-                                                          dilations=dilations, pads=pads))
+                                                          dilations=dilations, pads=pads, grad=grad))
     return None
 
 
 def _forward_check(view: GraphView, m: Match) -> str | None:
-    xs, ws, ys = view.shape(m.x), view.shape(m.w), view.shape(m.outputs[0])
-    if xs is None or ws is None or ys is None:
-        return "x, w and y need static shapes"
-    if view.info(m.x).dtype not in FLOAT_TYPES:
-        return "x is not a float tensor of known type"
-    taps, positions = int(np.prod(ws[2:])), int(np.prod(ys[2:]))
-    if taps > _PATCH_MAX_TAPS:
-        return f"a kernel of {taps} taps: the weight gradient keeps the swapped-role Conv above {_PATCH_MAX_TAPS}"
+    """Where the weight gradient takes the patches (its own check) and the positions are few."""
+    why = _weight_grad_check(view, m.grad)
+    if why is not None:
+        return f"its weight gradient keeps the swapped-role Conv ({why})"
+    positions = int(np.prod(view.shape(m.grad.dy)[2:]))
     if positions > _FORWARD_MAX_POSITIONS:
         return f"{positions} positions per image: the Conv is as fast above {_FORWARD_MAX_POSITIONS}"
-    if xs[0] * xs[1] * taps * positions > _PATCH_MAX_ELEMENTS:
-        return f"the patches would exceed {_PATCH_MAX_ELEMENTS} elements"
     return None
 
 
@@ -170,7 +165,7 @@ def _forward_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
     """y[b] = w as [M, C*K] @ patches[b] as [C*K, L] (+ bias): onnxruntime's Conv with a weight that is an
     input (updated every step) runs im2col and a Gemm that repacks w each time; the patches come from a Conv
     with a constant kernel (its fast path) and the weight gradient reads them instead of making its own."""
-    (n, c, *_), (out_ch, _, *kernel), (_, _, *o) = view.shape(m.x), view.shape(m.w), view.shape(m.outputs[0])
+    (n, c, *_), (out_ch, _, *kernel), (_, _, *o) = view.shape(m.x), view.shape(m.grad.outputs[0]), view.shape(m.grad.dy)
     taps, positions = int(np.prod(kernel)), int(np.prod(o))
     patches = _patches(b, view, m.x, c, kernel, m.strides, m.dilations, m.pads)
     y = b.op.MatMul(b.op.Reshape(b.var(m.w), b.ints([out_ch, c * taps])),
