@@ -516,19 +516,16 @@ class TrainingSession:
     def optimizer_state(self) -> dict[str, dict[str, np.ndarray]]:
         """``{parameter: {state name: array}}``, e.g. ``{"W": {"exp_avg": ..., "exp_avg_sq": ...}}``: PyTorch's
         values (the graph may hold them scaled: ``TrainingSpec.state_scale``)."""
-        return {p: {s: self._state_value(p, s, np.array(self._cur[i].numpy())) for s, (i, _) in st.items()}
-                for p, st in self.spec.state.items()}
-
-    def _state_value(self, param: str, state: str, held: np.ndarray) -> np.ndarray:
-        """PyTorch's value of a state tensor the graph holds as ``held`` (scaled: divided, in place when
-        ``held`` is a copy of the session's own)."""
-        factor = self.spec.state_scale.get(param, {}).get(state)
-        if factor is None:
-            return held
-        if held.flags.writeable and held.flags.owndata:
-            held /= held.dtype.type(factor)
-            return held
-        return held / held.dtype.type(factor)
+        state: dict[str, dict[str, np.ndarray]] = {}
+        for p, st in self.spec.state.items():
+            state[p] = {}
+            for s, (i, _) in st.items():
+                value = np.array(self._cur[i].numpy())
+                factor = self.spec.state_scale.get(p, {}).get(s)
+                if factor is not None:
+                    value /= value.dtype.type(factor)       # in place: the copy is ours
+                state[p][s] = value
+        return state
 
     def _held_state(self, param: str, state: str, value: np.ndarray, factor: float | None = None) -> np.ndarray:
         """What this graph holds for a state tensor held as ``value`` at scale ``factor`` (None: PyTorch's
