@@ -96,7 +96,7 @@ def _weight_grad_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]
     """dW[m, c, k] = sum_{b, o} dy[b, m, o] * patches[b, c*K + k, o]: the patches (im2col) from one Conv
     of x with a constant one-hot kernel per tap, group = C (or the forward's, :func:`_patches`); then one
     Gemm over (batch, position), or batched MatMuls and a sum over the batch when the positions alone are
-    many (no transposes)."""
+    many (no transposes of the patches)."""
     dy = b.var(m.dy)
     (n, c, *_), (_, out_ch, *o), (_, _, *kernel) = view.shape(m.x), view.shape(m.dy), view.shape(m.outputs[0])
     taps, positions = int(np.prod(kernel)), int(np.prod(o))
@@ -105,10 +105,12 @@ def _weight_grad_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]
         dw = b.op.Gemm(b.op.Reshape(dy, b.ints([out_ch, positions])),
                        b.op.Reshape(patches, b.ints([c * taps, positions])), transB=1)
     elif positions >= 2 * out_ch:
-        per_image = b.op.MatMul(b.op.Reshape(dy, b.ints([n, out_ch, positions])),
-                                b.op.Transpose(b.op.Reshape(patches, b.ints([n, c * taps, positions])),
-                                               perm=[0, 2, 1]))                             # [N, M, C*K]
-        dw = b.sum(per_image, [0], keepdims=False)
+        # patches[b] @ dy[b]^T, not dy[b] @ patches[b]^T: onnxruntime packs the right-hand operand, here the
+        # smaller one (the product alone: ResNet's layer1 0.87x, bench_step's CNN conv1 0.88x and conv2 0.95x)
+        per_image = b.op.MatMul(b.op.Reshape(patches, b.ints([n, c * taps, positions])),
+                                b.op.Transpose(b.op.Reshape(dy, b.ints([n, out_ch, positions])),
+                                               perm=[0, 2, 1]))                             # [N, C*K, M]
+        dw = b.op.Transpose(b.sum(per_image, [0], keepdims=False), perm=[1, 0])
     else:
         rows = b.op.Transpose(b.op.Reshape(dy, b.ints([n, out_ch, positions])), perm=[1, 0, 2])
         cols = b.op.Transpose(b.op.Reshape(patches, b.ints([n, c * taps, positions])), perm=[1, 0, 2])
