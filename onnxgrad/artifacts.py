@@ -468,8 +468,9 @@ class _Builder:
         m = _as_inputs(self.gm, [(self.params, "trainable parameter (current value)"),
                                  (list(self.running), "running statistic (current value)")], self.defaults)
         g = m.graph
-        del m.metadata_props[:]
-        m.metadata_props.extend(p for p in self.gm.metadata_props if not p.key.startswith("onnxgrad."))
+        del m.metadata_props[:]         # the gradient model's own keys, but what its nodes still are
+        m.metadata_props.extend(p for p in self.gm.metadata_props if not p.key.startswith("onnxgrad.")
+                                or p.key in ("onnxgrad.target", "onnxgrad.rewrites", "onnxgrad.recomputed"))
         taken = ({i.name for i in g.input} | {i.name for i in g.initializer} | {o.name for o in g.output}
                  | {o for n in g.node for o in n.output} | {n.name for n in g.node})
         names = NameScope(taken)

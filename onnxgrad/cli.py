@@ -19,6 +19,7 @@ from typing import Sequence
 
 from .errors import OnnxGradError
 from .files import save_arrays, save_model
+from .optimize import TARGETS
 
 CHECK_TOLERANCE = 1e-3
 CHECK_SAMPLE = 8
@@ -101,6 +102,13 @@ def _grad_parser() -> argparse.ArgumentParser:
     p.add_argument("--group", action="store_true",
                    help="write each forward node's backward as one call of a model-local function (one node per "
                    "forward op in Netron; runtimes inline them)")
+    p.add_argument("--optimize-for", choices=sorted(TARGETS), metavar="RUNTIME",
+                   help="rewrite the gradient for onnxruntime's 'cpu' or 'cuda' provider (onnxgrad.optimize: the "
+                   "measured fast forms of the same values, as TrainingSession uses them); default: the canonical "
+                   "adjoints")
+    p.add_argument("--recompute", action="store_true",
+                   help="recompute cheap activations in the backward instead of keeping them (onnxgrad.recompute); "
+                   "run the result with onnxruntime's CommonSubexpressionElimination disabled")
     p.add_argument("--check", action="store_true",
                    help="also compare the gradients with central differences on random inputs")
     p.add_argument("--seed", type=int, default=0, help="random seed for --check (default 0)")
@@ -161,6 +169,25 @@ def _default_output(model_path: str) -> str:
     return stem + ".grad.onnx"
 
 
+def _speed_lines(model) -> list[str]:
+    """What --optimize-for and --recompute did to the graph, from its metadata."""
+    import json
+
+    from .recompute import ORT_DISABLED_OPTIMIZERS
+
+    meta = {p.key: p.value for p in model.metadata_props}
+    lines = []
+    if "onnxgrad.rewrites" in meta:
+        rewrites = json.loads(meta["onnxgrad.rewrites"])
+        lines.append(f"rewritten for onnxruntime {json.loads(meta['onnxgrad.target'])}: "
+                     + ", ".join(f"{name} x{k}" for name, k in rewrites.items()))
+    if "onnxgrad.recomputed" in meta:
+        lines.append(f"recomputed in the backward: {len(json.loads(meta['onnxgrad.recomputed']))} activations "
+                     f"(run it with disabled_optimizers={list(ORT_DISABLED_OPTIMIZERS)}: onnxruntime would merge "
+                     "them back into the forward)")
+    return lines
+
+
 def _shape_text(vi) -> str:
     tt = vi.type.tensor_type
     if not tt.HasField("shape"):
@@ -197,8 +224,12 @@ def run_grad(args: argparse.Namespace) -> int:
             raise OnnxGradError("no trainable parameter found" + (f" (float initializers left out: {left})" if left
                                                                  else " (the model has no float initializer)")
                                 + "; name the tensors to differentiate with --wrt")
+    if args.group and (args.optimize_for or args.recompute):
+        raise OnnxGradError("--group writes the canonical graph for reading: do not combine it with "
+                            "--optimize-for or --recompute")
     gm = grad(model, wrt=report.trainable if report is not None else args.wrt, of=args.of, loss=loss_name,
-              allow_unused=args.allow_unused, strict_tags=args.strict_tags, group=args.group)
+              allow_unused=args.allow_unused, strict_tags=args.strict_tags, group=args.group,
+              target=args.optimize_for, recompute=args.recompute)
     build_s = time.perf_counter() - t0
     result, check_s = None, 0.0
     if args.check:          # before writing: a gradient model that fails its check is not written
@@ -227,6 +258,8 @@ def run_grad(args: argparse.Namespace) -> int:
         print(f"wrote {out_path}")
     print(f"forward nodes: {n_forward}   backward nodes: {len(backward)}   built in {build_s:.3f} s")
     print("backward ops: " + ", ".join(f"{op} x{k}" for op, k in sorted(ops.items())))
+    for line in _speed_lines(gm):
+        print(line)
     what = f"loss '{spec['loss']}' (seed 1)" if spec["loss"] else "outputs " + ", ".join(spec["of"])
     print(f"differentiated: {what}")
     for o, seed in spec["seeds"].items():
@@ -317,9 +350,12 @@ def run_train(args: argparse.Namespace) -> int:
         _writable(path)
     loss = _loss_fn(args) if args.loss_fn else (args.loss or "loss")
     t0 = time.perf_counter()
+    if args.group:
+        raise OnnxGradError("--group writes a gradient graph for reading: do not combine it with --optimizer")
     art = artifacts.build(args.model, loss, _optimizer(args), frozen=args.freeze, trainable=args.train,
                           clip_grad_norm=args.clip_grad_norm, accumulation_steps=args.accumulation_steps,
-                          guard=True, defaults=False, train_mode=not args.eval_mode)
+                          guard=True, defaults=False, train_mode=not args.eval_mode, target=args.optimize_for,
+                          recompute=args.recompute)
     build_s = time.perf_counter() - t0
     init_path = (out_path[:-5] if out_path.endswith(".onnx") else out_path) + ".init.npz"
     _save(art.train, out_path)
@@ -339,6 +375,8 @@ def run_train(args: argparse.Namespace) -> int:
         _save(art.accumulate, acc_path)
         print(f"wrote {acc_path} (accumulation: adds one micro-batch's gradients to the <param>.grad_acc inputs)")
     print(f"built in {build_s:.3f} s")
+    for line in _speed_lines(art.train):
+        print(line)
     for line in art.report.lines() if art.report is not None else []:
         print(line)
     print("optimizer: " + ", ".join(f"{k}={v}" for k, v in spec.optimizer.items()))

@@ -166,3 +166,31 @@ def test_no_trainable_parameter_says_why_and_what_to_do(tmp_path, capsys):
     assert err.startswith("error: no trainable parameter found") and "--wrt" in err and err.count("\n") == 1
     assert not (tmp_path / "m.grad.onnx").exists()
     assert CLI.main([str(path), "--wrt", "w"]) == 0
+
+
+def test_optimize_for_and_recompute_reach_the_gradient_and_the_training_models(tmp_path, capsys):
+    """--optimize-for cpu and --recompute give grad()'s and artifacts.build()'s target and recompute: the
+    written models carry the rewrites and the recomputation, and the command says so; --group refuses both."""
+    import json
+    from pathlib import Path
+
+    from onnxgrad.artifacts import TrainingSpec
+
+    model = tmp_path / "cnn.onnx"
+    model.write_bytes((Path(__file__).resolve().parents[1] / "models" / "cnn_bn_dynamo.onnx").read_bytes())
+    assert CLI.main([str(model), "--optimize-for", "cpu", "--recompute"]) == 0
+    out = capsys.readouterr().out
+    assert "rewritten for onnxruntime cpu: conv_weight_grad_patches x" in out and "recomputed in the backward" in out
+    meta = {p.key: p.value for p in onnx.load(tmp_path / "cnn.grad.onnx").metadata_props}
+    assert json.loads(meta["onnxgrad.target"]) == "cpu" and json.loads(meta["onnxgrad.recomputed"])
+    assert CLI.main([str(model), "--loss-fn", "cross_entropy", "--target", "label", "--optimizer", "adamw",
+                     "--optimize-for", "cpu", "--recompute"]) == 0
+    assert "rewritten for onnxruntime cpu" in capsys.readouterr().out
+    train = onnx.load(tmp_path / "cnn.train.onnx")
+    assert TrainingSpec.of(train).recompute and any("/conv_weight_grad_patches/" in n.name for n in train.graph.node)
+    for args in (["--group", "--optimize-for", "cpu"], ["--group", "--recompute"],
+                 ["--loss-fn", "mse", "--target", "t", "--optimizer", "sgd", "--group"]):
+        assert CLI.main([str(model), "-o", str(tmp_path / "other.onnx"), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "--group" in err
+    assert not (tmp_path / "other.onnx").exists()
