@@ -165,8 +165,9 @@ def _forward_check(view: GraphView, m: Match) -> str | None:
 
 def _forward_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
     """y[b] = w as [M, C*K] @ patches[b] as [C*K, L] (+ bias): onnxruntime's Conv with a weight that is an
-    input (updated every step) runs im2col and a Gemm that repacks w each time; the patches come from a Conv
-    with a constant kernel (its fast path) and the weight gradient reads them instead of making its own."""
+    input (updated every step) has no fast layout (its NCHWc kernels need a constant weight) and makes im2col
+    patches of its own; these come from a Conv with a constant kernel, and the weight gradient reads them
+    instead of making them again."""
     (n, c, *_), (out_ch, _, *kernel), (_, _, *o) = view.shape(m.x), view.shape(m.grad.outputs[0]), view.shape(m.grad.dy)
     taps, positions = int(np.prod(kernel)), int(np.prod(o))
     patches = _patches(b, view, m.x, c, kernel, m.strides, m.dilations, m.pads)
