@@ -4,6 +4,7 @@ import sys
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
@@ -188,6 +189,38 @@ def test_optimize_for_and_recompute_reach_the_gradient_and_the_training_models(t
     assert "rewritten for onnxruntime cpu" in capsys.readouterr().out
     train = onnx.load(tmp_path / "cnn.train.onnx")
     assert TrainingSpec.of(train).recompute and any("/conv_weight_grad_patches/" in n.name for n in train.graph.node)
+    # three steps of each, driven by hand from their init.npz as a user would: the same losses and weights
+    # (SGD: Adam turns the rounding noise of a gradient that is exactly zero, the conv bias before a batch
+    # norm, into steps of the learning rate's size, in PyTorch too)
+    for out, flags in (("cnn.train.onnx", ["--optimize-for", "cpu", "--recompute"]), ("canonical.train.onnx", [])):
+        assert CLI.main([str(model), "--loss-fn", "cross_entropy", "--target", "label", "--optimizer", "sgd",
+                         "--momentum", "0.9", "-o", str(tmp_path / out), *flags]) == 0
+    capsys.readouterr()
+    from onnxgrad.recompute import ORT_DISABLED_OPTIMIZERS
+    rng = np.random.default_rng(0)
+    batches = [{"x": rng.standard_normal((2, 3, 16, 16)).astype(np.float32),
+                "label": rng.integers(0, 5, 2).astype(np.int64)} for _ in range(3)]
+    results = []
+    for stem in ("cnn.train", "canonical.train"):
+        model_proto = onnx.load(tmp_path / f"{stem}.onnx")
+        spec = TrainingSpec.of(model_proto)
+        sess = ort.InferenceSession(model_proto.SerializeToString(), providers=["CPUExecutionProvider"],
+                                    disabled_optimizers=list(ORT_DISABLED_OPTIMIZERS))
+        names = [o.name for o in sess.get_outputs()]
+        held = dict(np.load(tmp_path / f"{stem}.init.npz"))
+        held = {k: v for k, v in held.items() if k not in (spec.lr, spec.step)}
+        pairs = {**spec.params, **{r: o for r, (_, o) in spec.buffers.items()},
+                 **{i: o for st in spec.state.values() for i, o in st.values()}}
+        losses = []
+        for step, batch in enumerate(batches, start=1):
+            out = dict(zip(names, sess.run(None, {**batch, **held, spec.lr: np.array(0.1, np.float32),
+                                                    spec.step: np.array(step, np.int64)})))
+            held = {i: out[o] for i, o in pairs.items()}
+            losses.append(float(out[spec.loss]))
+        results.append((losses, {p: held[p] for p in spec.params}))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-5)
+    for p, value in results[1][1].items():
+        np.testing.assert_allclose(results[0][1][p], value, rtol=1e-4, atol=1e-5, err_msg=p)
     for args in (["--group", "--optimize-for", "cpu"], ["--group", "--recompute"],
                  ["--loss-fn", "mse", "--target", "t", "--optimizer", "sgd", "--group"]):
         assert CLI.main([str(model), "-o", str(tmp_path / "other.onnx"), *args]) == 2
