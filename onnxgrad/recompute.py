@@ -20,6 +20,11 @@ A tensor ``t`` the backward reads is recomputed, deciding in forward order, when
   one that it keeps until shortly before and that is no larger than ``t`` (its life grows by a stretch
   where ``t`` itself was alive, so the memory held there does not grow).
 
+A tensor the backward compares for equality (``Equal``, directly or through data movement: the CPU
+rewrite of MaxPool's backward finds each window's maximum again as ``x == y``) is never recomputed: a
+clone agrees with the forward's tensor up to rounding, not bit for bit (a batch norm recomputed from its
+statistics rounds differently from the training kernel), and one differing bit loses a window's gradient.
+
 A tensor read through another recomputed one is computed again from the tensors that one reads (a
 ResNet's block output reads the previous block's), so chains stay within :data:`MAX_CLONES` nodes.
 Places are those of the gradient model's node order; onnxruntime orders the nodes itself (a depth-first
@@ -147,6 +152,26 @@ def _emit_clone(b: Builder, view: GraphView, node: onnx.NodeProto, reads: list[V
 
 
 # -- what is recomputed ---------------------------------------------------------------------------
+_MOVES = frozenset({"Slice", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Expand",
+                    "Gather", "Concat", "Split"})     # ops that pass values through unchanged
+
+
+def _compared(view: GraphView, tensor: str, first: int, position: dict[int, int]) -> bool:
+    """Whether a backward ``Equal`` reads ``tensor``'s values, directly or through :data:`_MOVES`."""
+    seen, todo = set(), [tensor]
+    while todo:
+        x = todo.pop()
+        for reader in view.readers.get(x, []):
+            if position[id(reader)] < first or reader.domain not in _STANDARD:
+                continue
+            if reader.op_type == "Equal":
+                return True
+            if reader.op_type in _MOVES:
+                todo.extend(o for o in reader.output if o and o not in seen)
+                seen.update(reader.output)
+    return False
+
+
 class _Planner:
     """Decides, in forward order, which tensors the backward reads are recomputed, and from what."""
 
@@ -172,6 +197,8 @@ class _Planner:
         for node in self.view.nodes[:self.first]:
             t = node.output[0] if node.output else ""
             if t not in self.first_read or t in self.free or t in self.view.outputs:
+                continue
+            if _compared(self.view, t, self.first, self.position):
                 continue
             plan = self._plan(t)
             if plan is None:
