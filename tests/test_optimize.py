@@ -4,6 +4,8 @@ canonical gradient graph's outputs in onnxruntime, passes the full checker, and 
 The canonical graphs are the ones the rule tables prove against central differences; here every
 rewritten graph is compared with its canonical graph on the same feeds, in onnxruntime (float32).
 """
+import json
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -15,6 +17,7 @@ from harness import Case, case_model, distinct, make_model, randn
 from onnxgrad.autodiff import backward_nodes
 from onnxgrad.errors import OnnxGradError
 from onnxgrad.optimize import REWRITES, TARGETS, optimize, target_for
+from onnxgrad.optimize.rewriter import GraphView
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -302,6 +305,20 @@ def test_cpu_target_matches_the_canonical_graph_on_a_network():
     want, got = _run(canonical, feeds), _run(fast, feeds)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4 * np.abs(want[name]).max())
+
+
+def test_cpu_rewrites_apply_to_a_dynamo_export():
+    """torch.onnx.export writes auto_pad="NOTSET" on every Conv and MaxPool: it is the default, and the rewrites
+    that decline other paddings still apply (they read the attribute as text, not as bytes)."""
+    from pathlib import Path
+
+    model = onnx.load(Path(__file__).resolve().parents[1] / "models" / "cnn_dynamo.onnx")
+    assert all(GraphView.attr(n, "auto_pad") == "NOTSET" for n in model.graph.node if n.op_type in ("Conv", "MaxPool"))
+    x = np.random.default_rng(2).standard_normal((2, 3, 16, 16)).astype(np.float32)
+    fast = _equivalent(model, {"x": x}, "conv_forward_patches",
+                       beside=("conv_weight_grad_patches", "max_pool_taps", "conv_input_grad_col2im"), of=["y"])
+    rewrites = json.loads({p.key: p.value for p in fast.metadata_props}["onnxgrad.rewrites"])
+    assert rewrites["max_pool_taps"] == 1 and rewrites["conv_input_grad_col2im"] >= 1
 
 
 def test_targets_by_provider():

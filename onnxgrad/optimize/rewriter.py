@@ -74,9 +74,15 @@ class GraphView:
 
     @staticmethod
     def attr(node: onnx.NodeProto, name: str, default: Any = None) -> Any:
+        """The attribute's value, a list for repeated ones and text for strings (exporters write
+        ``auto_pad=b"NOTSET"`` explicitly: it compares equal to the default ``"NOTSET"``)."""
         for a in node.attribute:
             if a.name == name:
                 value = helper.get_attribute_value(a)
+                if a.type == a.STRING:
+                    return value.decode()
+                if a.type == a.STRINGS:
+                    return [v.decode() for v in value]
                 return list(value) if isinstance(value, (list, tuple)) or a.type == a.INTS else value
         return default
 
