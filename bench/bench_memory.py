@@ -50,7 +50,7 @@ def _mb(field: str) -> float:
 
 def child(name: str, framework: str) -> dict:
     """In a fresh process: build the trainer of one model, run STEPS steps, report the phases' peaks."""
-    bench = B.MODELS[name]()
+    bench = B.BUILDERS[name]()
     if framework in ("torch", "compile"):
         import torch
 
@@ -99,7 +99,7 @@ def run_child(name: str, framework: str, before: str | None) -> dict:
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="*", default=list(B.MODELS), metavar="MODEL",
-                    help=f"some of {', '.join(B.MODELS)} (default: all)")
+                    help=f"some of {', '.join(B.BUILDERS)} (default: {', '.join(B.MODELS)})")
     ap.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="comma-separated, of " + ", ".join(FRAMEWORKS))
     ap.add_argument("--before", metavar="PATH", help="also measure the onnxgrad package under PATH")
     ap.add_argument("--recompute", action="store_true", help="also measure TrainingSession(recompute=True)")

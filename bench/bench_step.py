@@ -8,7 +8,9 @@ Four models are built here with onnx.helper (no torch needed to build them):
 - ``transformer``: one pre-LayerNorm block, d_model 256, 4 heads, seq 128,
   MLP 1024 with erf-GELU, explicit softmax attention (MatMul, Softmax), batch 8, MSE;
 - ``resnet18``: torchvision's ResNet-18 layout (Conv without bias + BatchNormalization, trained in
-  train mode), 3x112x112, batch 8, 100 classes, cross-entropy.
+  train mode), 3x112x112, batch 8, 100 classes, cross-entropy;
+- ``resnet18_export`` (only when named; needs torch and onnxscript): the same network as a torch.nn.Module,
+  exported by ``torch.onnx.export(dynamo=True, optimize=False)`` as a user exports it for training.
 
 For each model it prints, measured interleaved in one run after warm-up
 (median [min] of ``--reps`` single calls, in ms): the build time (artifacts,
@@ -330,7 +332,71 @@ def resnet18(batch: int = 8, size: int = 112, classes: int = 100) -> Bench:
                  torch_step)
 
 
+def resnet18_export(batch: int = 8, size: int = 112, classes: int = 100) -> Bench:
+    """The same ResNet-18 as a torch.nn.Module, exported as a user exports it for training:
+    ``torch.onnx.export(dynamo=True, optimize=False)`` (the optimizer would fold the batch norms into the
+    convolutions), the exporter's own node names and attributes; PyTorch trains the module itself. Needs
+    torch and onnxscript (not run by default). Its ``--memory`` figures do not compare with the other
+    models' or across frameworks: the export runs in the measured process before the baseline, and whichever
+    framework runs next reuses the heap it freed."""
+    import copy
+
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    import onnxgrad
+    from onnxgrad import losses
+
+    def conv_bn(cin, cout, k, stride):
+        return nn.Sequential(nn.Conv2d(cin, cout, k, stride, k // 2, bias=False), nn.BatchNorm2d(cout))
+
+    class Block(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.conv1, self.conv2 = conv_bn(cin, cout, 3, stride), conv_bn(cout, cout, 3, 1)
+            self.downsample = conv_bn(cin, cout, 1, stride) if stride != 1 or cin != cout else None
+
+        def forward(self, x):
+            h = self.conv2(F.relu(self.conv1(x)))
+            return F.relu(h + (self.downsample(x) if self.downsample is not None else x))
+
+    class ResNet18(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem, blocks, cin = conv_bn(3, 64, 7, 2), [], 64
+            for stage, cout in enumerate((64, 128, 256, 512)):
+                for block in range(2):
+                    blocks.append(Block(cin, cout, 2 if stage and not block else 1))
+                    cin = cout
+            self.blocks, self.fc = nn.Sequential(*blocks), nn.Linear(512, classes)
+
+        def forward(self, x):
+            h = self.blocks(F.max_pool2d(F.relu(self.stem(x)), 3, 2, 1))
+            return self.fc(F.adaptive_avg_pool2d(h, 1).flatten(1))
+
+    torch.manual_seed(3)
+    net = ResNet18().train()
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal((batch, 3, size, size)).astype(np.float32)}
+    target = {"y": rng.integers(0, classes, batch).astype(np.int64)}
+    m = torch.onnx.export(copy.deepcopy(net), (torch.from_numpy(feeds["x"]),), dynamo=True, optimize=False,
+                          input_names=["x"], output_names=["logits"], verbose=False).model_proto
+    loss = losses.CrossEntropyLoss(output="logits", target="y")
+    trainable = onnxgrad.parameters(loss(m), loss="loss").trainable
+    weights = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer if i.name in trainable}
+
+    def torch_step(params, compile: bool = False):
+        module = copy.deepcopy(net)
+        x, y = torch.from_numpy(feeds["x"]), torch.from_numpy(target["y"])
+        return _torch_adamw(dict(module.named_parameters()), lambda: F.cross_entropy(module(x), y), compile)
+
+    return Bench("resnet18_export", m, "logits", loss, feeds, target, weights, torch_step)
+
+
 MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "resnet18": resnet18}
+OPTIONAL = {"resnet18_export": resnet18_export}     # named on the command line: needs torch and onnxscript
+BUILDERS = {**MODELS, **OPTIONAL}
 
 
 def _torch_adamw(params, loss_fn, compile: bool = False) -> Callable[[], float]:
@@ -481,7 +547,7 @@ def memory(name: str, frameworks: list[str]) -> dict[str, dict]:
 
 def profile(name: str, reps: int) -> None:
     """onnxruntime's profile of the training step and the forward: time per op type and the top nodes."""
-    bench = MODELS[name]()
+    bench = BUILDERS[name]()
     feeds = {**bench.feeds, **bench.target}
     ts = training_session(bench, profile=f"/tmp/bench_step_{name}_train")
     fwd = ort_session(bench.forward, profile=f"/tmp/bench_step_{name}_fwd")
@@ -513,7 +579,7 @@ def profile(name: str, reps: int) -> None:
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="*", default=list(MODELS), metavar="MODEL",
-                    help=f"some of {', '.join(MODELS)} (default: all)")
+                    help=f"some of {', '.join(BUILDERS)} (default: {', '.join(MODELS)})")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true")
@@ -522,7 +588,7 @@ def main(argv: list[str]) -> None:
                     help="peak RSS of building and of a 20-step loop, each framework in a fresh process")
     ap.add_argument("--recompute", action="store_true",
                     help="also time the step of a TrainingSession(recompute=True), interleaved with the others")
-    ap.add_argument("--profile", metavar="MODEL", choices=list(MODELS))
+    ap.add_argument("--profile", metavar="MODEL", choices=list(BUILDERS))
     ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = ap.parse_args(argv)
     if args.profile:
@@ -543,7 +609,7 @@ def main(argv: list[str]) -> None:
           f"{'compiled step':>17} {'step/fwd':>8} {'grad/fwd':>8} {'step/torch':>10} {'step/compiled':>13} "
           f"{'nodes f/g/t':>14}")
     for name in args.models:
-        r = measure(MODELS[name](), args.reps, args.warmup, have_torch, have_torch and not args.no_compile,
+        r = measure(BUILDERS[name](), args.reps, args.warmup, have_torch, have_torch and not args.no_compile,
                     args.recompute)
         ms, lo = r["ms"], r["min"]
 
