@@ -29,7 +29,7 @@ class GraphView:
         g = model.graph
         self.model = model
         self.opset = M.opset_of(model)
-        self.first = first                                   # where the backward starts
+        self.first = first                                   # where the backward starts in the input
         self.infos, _ = M.tensor_infos(model)
         self.constants = M.constant_values(model)
         self.nodes = list(g.node)                            # the working list; written back by apply
@@ -88,8 +88,8 @@ class GraphView:
 
     def candidates(self, op_type: str, forward: bool = False) -> list[onnx.NodeProto]:
         """The ``op_type`` nodes a rewrite may replace: the backward's, or with ``forward`` the forward's."""
-        nodes = self.nodes[:self.first] if forward else self.nodes[self.first:]
-        return [n for n in nodes if n.op_type == op_type and n.domain in ("", "ai.onnx")]
+        return [n for n in self.nodes if (id(n) in self.forward) == forward
+                and n.op_type == op_type and n.domain in ("", "ai.onnx")]
 
 
 @dataclass
@@ -209,9 +209,8 @@ def _replace(view: GraphView, names: NameScope, rw: Rewrite, match: Match) -> No
         at += 1
     else:
         view.removed[id(root)] = nodes.pop(at)
-    if in_forward:                      # the replacement is the forward's: the backward starts further on
+    if in_forward:                      # the replacement is the forward's
         view.forward.update(id(n) for n in b.nodes)
-        view.first += len(b.nodes) - (0 if keep else 1)
     nodes[at:at] = b.nodes
     view._refresh()
 
