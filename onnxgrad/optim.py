@@ -338,11 +338,8 @@ class Adam(Optimizer):
         if scaled:                          # M = m / (1 - beta1), V = v / (1 - beta2)
             m = m * beta1 + g
             v = v * beta2 + g * g
-        elif 1.0 - beta1 < 0.5:
-            m = m + (g - m) * (1.0 - beta1)
         else:
-            m = g - (g - m) * beta1
-        if not scaled:
+            m = m + (g - m) * (1.0 - beta1) if 1.0 - beta1 < 0.5 else g - (g - m) * beta1
             v = v * beta2 + (g * (1.0 - beta2)) * g
         # the scaled moments give m = (1 - beta1) M and sqrt(v) = sqrt(1 - beta2) sqrt(V): both constants
         # go into the shared scalars
