@@ -215,8 +215,8 @@ class TrainingSession:
         # the session's copies are its device buffers: the numpy starting values and the trained tensors'
         # data in the loss and forward models go (save, export and parameters() read the buffers)
         art.initial_params, art.initial_buffers, art.initial_state = {}, {}, {}
-        _drop_data(art.loss_model, self._layout)
-        _drop_data(art.forward, self._layout)
+        art.loss_model = _without_data(art.loss_model, self._layout)
+        art.forward = _without_data(art.forward, self._layout)
         if spec.accumulation_steps > 1:
             self._acc_zero = {i: self._zeros(p) for p, (i, _) in spec.accumulators.items()}
             self._acc_bufs = [{i: self._empty(p) for p, (i, _) in spec.accumulators.items()} for _ in range(2)]
@@ -841,15 +841,20 @@ def _release_freed_memory() -> None:
     trim(0)
 
 
-def _drop_data(model: onnx.ModelProto, held: Mapping[str, Any]) -> None:
-    """Clear, in place, the data of ``model``'s initializers named in ``held`` (the session's buffers hold
-    them), keeping their names, types and shapes."""
+def _without_data(model: onnx.ModelProto, held: Mapping[str, Any]) -> onnx.ModelProto:
+    """``model`` without the data of its initializers named in ``held`` (the session's buffers hold them),
+    keeping their names, types and shapes: a new message. Clearing the fields in place is not enough:
+    protobuf (upb) keeps a message's bytes in its arena until the whole message goes, so ResNet-18's
+    loss and forward models went on holding 85 MB of weights that no one could read."""
     for init in model.graph.initializer:
         if init.name in held:
             dims, dtype, name = list(init.dims), init.data_type, init.name
             init.Clear()
             init.name, init.data_type = name, dtype
             init.dims.extend(dims)
+    fresh = onnx.ModelProto()
+    fresh.ParseFromString(model.SerializeToString())
+    return fresh
 
 
 # -- files ----------------------------------------------------------------------------------------------
