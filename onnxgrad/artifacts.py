@@ -46,7 +46,7 @@ from . import model as M
 from .autodiff import grad, gradient_spec
 from .builder import Builder, NameScope, TensorInfo, Var
 from .errors import OnnxGradError, UnknownNameError
-from .files import copy_model
+from .files import HELD, copy_model, is_held, stripped
 from .optim import AdamW, Optimizer, UpdateContext
 from .params import ParameterReport, parameters, restore_ties
 from .train_mode import to_eval_mode, to_train_mode
@@ -239,9 +239,9 @@ def build(
         outputs = [o.name for o in loss_model.graph.output if o.name != loss_name]
         forward = _prune(loss_model, outputs or [loss_name])
     running: dict[str, str] = {}
-    differentiated = loss_model
+    differentiated = _weights_held(loss_model, params)
     if train_mode:
-        tm = to_train_mode(loss_model)
+        tm = to_train_mode(differentiated)
         differentiated, running = tm.model, tm.running
     gm = grad(differentiated, wrt=params, loss=loss_name, strict_tags=strict_tags, target=target,
               recompute=recompute)
@@ -468,6 +468,9 @@ class _Builder:
         m = _as_inputs(self.gm, [(self.params, "trainable parameter (current value)"),
                                  (list(self.running), "running statistic (current value)")], self.defaults)
         g = m.graph
+        for t in g.initializer:        # the defaults: the values build() held aside
+            if is_held(t):
+                t.CopyFrom(numpy_helper.from_array(self.initial[t.name], t.name))
         del m.metadata_props[:]         # the gradient model's own keys, but what its nodes still are
         m.metadata_props.extend(p for p in self.gm.metadata_props if not p.key.startswith("onnxgrad.")
                                 or p.key in ("onnxgrad.target", "onnxgrad.rewrites", "onnxgrad.recomputed"))
@@ -673,6 +676,17 @@ def _as_inputs(model: onnx.ModelProto, groups: Sequence[tuple[Sequence[str], str
                 vi.CopyFrom(helper.make_tensor_value_info(p, inits[p].data_type, list(inits[p].dims)))
                 vi.doc_string = doc
     return m
+
+
+def _weights_held(model: onnx.ModelProto, params: Iterable[str]) -> onnx.ModelProto:
+    """A copy of ``model`` whose parameter initializers carry no data, only a placeholder
+    (:data:`onnxgrad.files.HELD`). What is differentiated needs their types and shapes, not their values
+    (graph analyses read constants of at most 4096 elements): each copy of the model that training mode,
+    the gradient pass and the rewrites make is then without the weights. Built field by field, so the
+    weights are not copied either (a 64 MB weight's build peaked at 402 MB). The training graph's inputs
+    take the parameters' values from the loss model (``_Builder.initial``)."""
+    names = set(params)
+    return stripped(model, lambda t: HELD if t.name in names else None)
 
 
 def _params_as_inputs(model: onnx.ModelProto, params: Sequence[str] | dict, defaults: bool) -> onnx.ModelProto:

@@ -89,7 +89,12 @@ def _alive(pid: int) -> bool:
 def save_model(model: onnx.ModelProto, path: str) -> None:
     """Save a model atomically. One over protobuf's 2 GB limit keeps its large tensors in ``<path>.data``
     beside it (written first, to a temporary file renamed into place), then the model file; tensors are
-    written one at a time from the model, never copied into a second proto."""
+    written one at a time from the model, never copied into a second proto. A model with a placeholder
+    of a value held aside in memory (:data:`HELD`) is refused: its file would lack that value."""
+    held = [t.name for t in model.graph.initializer if is_held(t)]
+    if held:
+        raise ValueError(f"onnxgrad internal error: refusing to save a model whose initializers "
+                         f"{', '.join(held[:5])} are placeholders of values held in memory")
     if not over_limit(model):
         atomic_write(path, lambda f: f.write(model.SerializeToString()))
         return
@@ -176,6 +181,14 @@ def copy_model(model: onnx.ModelProto, skip: "set[str] | tuple" = ()) -> onnx.Mo
 
 
 _DROP = ("", -1, -1)       # stripped(): leave the tensor out altogether
+# stripped(): a placeholder whose value someone holds aside (artifacts.build: the parameters it
+# differentiates), an external reference to no file; is_held() tells it
+HELD = ("onnxgrad:held-aside-in-memory", 0, 0)
+
+
+def is_held(t: onnx.TensorProto) -> bool:
+    return (t.data_location == onnx.TensorProto.EXTERNAL
+            and any(e.key == "location" and e.value == HELD[0] for e in t.external_data))
 
 
 def _copy_field(out, field, value) -> None:

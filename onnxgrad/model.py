@@ -14,7 +14,7 @@ from onnx import helper, numpy_helper, shape_inference
 
 from .builder import FLOAT_TYPES, TensorInfo
 from .errors import InvalidModelError
-from .files import nbytes, stripped
+from .files import is_held, nbytes, stripped
 
 MIN_OPSET = 13
 # onnxruntime 1.31 loads IR versions up to 13 and ai.onnx opsets up to 26: the floor we rely on
@@ -170,10 +170,11 @@ _SKELETON_THRESHOLD = 1 << 20
 def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
     """For the checker and shape inference, which serialise the model (a copy in bytes, parsed into a
     second copy, for inference serialised and parsed back) and need no large values: the model itself
-    when no initializer is large, else a copy whose large initializers are graph inputs of their type
-    and dims. Over protobuf's 2 GB limit this is what makes them possible at all; below it, it keeps
-    the weights from being copied four times over (ResNet-18's gradient build peaked at 7x its weights)."""
-    if not any(nbytes(t) >= _SKELETON_THRESHOLD for t in model.graph.initializer):
+    when no initializer is large or held aside (:data:`onnxgrad.files.HELD`), else a copy whose large
+    and held initializers are graph inputs of their type and dims. Over protobuf's 2 GB limit this is what
+    makes them possible at all; below it, it keeps the weights from being copied four times over
+    (ResNet-18's gradient build peaked at 7x its weights)."""
+    if not any(nbytes(t) >= _SKELETON_THRESHOLD or is_held(t) for t in model.graph.initializer):
         return model
     out = stripped(model, lambda t: ("", 0, 0) if nbytes(t) >= _SKELETON_THRESHOLD else None)
     kept = [t for t in out.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
