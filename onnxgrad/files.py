@@ -145,8 +145,8 @@ def nbytes(message) -> int:
 def stripped(model: onnx.ModelProto, external: "Callable[[onnx.TensorProto], tuple[str, int, int] | None]"
              ) -> onnx.ModelProto:
     """A copy of ``model`` whose main-graph initializers for which ``external`` gives (location, offset,
-    length) carry no data but that reference (``_DROP``: left out); the others copied. Built field by
-    field, so that the large tensors are never copied."""
+    length) carry no data but that reference (``_DROP``: left out; ``NO_DATA``: their name, type and dims
+    only); the others copied. Built field by field, so that the large tensors are never copied."""
     out = onnx.ModelProto()
     for field, value in model.ListFields():
         if field.name != "graph":
@@ -157,6 +157,9 @@ def stripped(model: onnx.ModelProto, external: "Callable[[onnx.TensorProto], tup
     for t in model.graph.initializer:
         ref = external(t)
         if ref is _DROP:
+            continue
+        if ref is NO_DATA:
+            out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims, doc_string=t.doc_string)
             continue
         if ref is None or t.data_location == onnx.TensorProto.EXTERNAL:     # external already: as it is
             out.graph.initializer.add().CopyFrom(t)
@@ -181,6 +184,7 @@ def copy_model(model: onnx.ModelProto, skip: "set[str] | tuple" = ()) -> onnx.Mo
 
 
 _DROP = ("", -1, -1)       # stripped(): leave the tensor out altogether
+NO_DATA = ("", -2, -2)     # stripped(): the tensor's name, type and dims, without its data
 # stripped(): a placeholder whose value someone holds aside (artifacts.build: the parameters it
 # differentiates), an external reference to no file; is_held() tells it
 HELD = ("onnxgrad:held-aside-in-memory", 0, 0)

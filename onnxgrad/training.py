@@ -44,7 +44,7 @@ from onnx import helper, numpy_helper
 from . import artifacts as A
 from . import distributed as D
 from .errors import OnnxGradError, UnknownNameError
-from .files import atomic_write, runnable, save_model
+from .files import NO_DATA, atomic_write, runnable, save_model, stripped
 from .optim import Optimizer, from_config
 from .optimize import target_for
 from .recompute import ORT_DISABLED_OPTIMIZERS
@@ -842,19 +842,11 @@ def _release_freed_memory() -> None:
 
 
 def _without_data(model: onnx.ModelProto, held: Mapping[str, Any]) -> onnx.ModelProto:
-    """``model`` without the data of its initializers named in ``held`` (the session's buffers hold them),
-    keeping their names, types and shapes: a new message. Clearing the fields in place is not enough:
+    """A copy of ``model`` whose initializers named in ``held`` (the session's buffers hold them) keep their
+    names, types and shapes but no data, built field by field. Clearing the fields in place is not enough:
     protobuf (upb) keeps a message's bytes in its arena until the whole message goes, so ResNet-18's
     loss and forward models went on holding 85 MB of weights that no one could read."""
-    for init in model.graph.initializer:
-        if init.name in held:
-            dims, dtype, name = list(init.dims), init.data_type, init.name
-            init.Clear()
-            init.name, init.data_type = name, dtype
-            init.dims.extend(dims)
-    fresh = onnx.ModelProto()
-    fresh.ParseFromString(model.SerializeToString())
-    return fresh
+    return stripped(model, lambda t: NO_DATA if t.name in held else None)
 
 
 # -- files ----------------------------------------------------------------------------------------------
