@@ -520,22 +520,14 @@ class TrainingSession:
         for p, st in self.spec.state.items():
             state[p] = {}
             for s, (i, _) in st.items():
-                value = np.array(self._cur[i].numpy())
-                factor = self.spec.state_scale.get(p, {}).get(s)
-                if factor is not None:
-                    value /= value.dtype.type(factor)       # in place: the copy is ours
-                state[p][s] = value
+                held = self._cur[i].numpy()
+                value = _rescaled(held, self._state_scale(p, s), None)
+                state[p][s] = np.array(value) if value is held else value     # a copy, never the buffer
         return state
 
-    def _held_state(self, param: str, state: str, value: np.ndarray, factor: float | None = None) -> np.ndarray:
-        """What this graph holds for a state tensor held as ``value`` at scale ``factor`` (None: PyTorch's
-        value); as it is when the scales agree (a checkpoint of this configuration resumes bit for bit)."""
-        mine = self.spec.state_scale.get(param, {}).get(state)
-        if mine == factor:
-            return value
-        if factor is not None:
-            value = value / value.dtype.type(factor)
-        return value if mine is None else value * value.dtype.type(mine)
+    def _state_scale(self, param: str, state: str) -> float | None:
+        """The factor this graph holds the state at (None: PyTorch's value)."""
+        return self.spec.state_scale.get(param, {}).get(state)
 
     def load_parameters(self, values: Mapping[str, np.ndarray]) -> None:
         """Overwrite some trainable parameters (shapes and types must match)."""
@@ -678,7 +670,7 @@ class TrainingSession:
                     problems.append(f"it holds state '{meta['state']}' of '{meta['param']}', unknown here")
                 else:
                     saved = header.get("state_scale", {}).get(meta["param"], {}).get(meta["state"])
-                    values[st[0]] = self._held_state(meta["param"], meta["state"], a, saved)
+                    values[st[0]] = _rescaled(a, saved, self._state_scale(meta["param"], meta["state"]))
             elif meta["kind"] == "grad_acc" and meta["param"] in spec.accumulators:
                 accs[spec.accumulators[meta["param"]][0]] = a
         missing = [n for n in self._cur if n not in values]
@@ -839,6 +831,16 @@ def _release_freed_memory() -> None:
         return
     trim.argtypes = [ctypes.c_size_t]
     trim(0)
+
+
+def _rescaled(value: np.ndarray, held_at: float | None, wanted: float | None) -> np.ndarray:
+    """``value``, a state tensor held at scale ``held_at`` (None: PyTorch's value), at scale ``wanted``;
+    ``value`` itself when the scales agree (a checkpoint of this configuration resumes bit for bit)."""
+    if held_at == wanted:
+        return value
+    if held_at is not None:
+        value = value / value.dtype.type(held_at)
+    return value if wanted is None else value * value.dtype.type(wanted)
 
 
 def _without_data(model: onnx.ModelProto, held: Mapping[str, Any]) -> onnx.ModelProto:
