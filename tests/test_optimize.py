@@ -39,6 +39,17 @@ def _seeded(model: onnx.ModelProto, gm: onnx.ModelProto, feeds: dict) -> dict[st
     return out
 
 
+def _declined(case: Case, rewrite: str, reason: str, alone: bool = False) -> onnx.ModelProto:
+    """The gradient of ``case`` (its output ``y0``) rewritten for the CPU (``alone``: by ``rewrite`` only),
+    once ``rewrite`` is seen to decline it with ``reason``."""
+    model, _, wrt = case_model(case)
+    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    fast, report = (optimize(gm, None, first=1, rewrites=[rewrite]) if alone else optimize(gm, "cpu", first=1))
+    assert report.count(rewrite) == 0
+    assert any(reason in why for why in report.reasons(rewrite)), report.declined
+    return fast
+
+
 def _equivalent(model: onnx.ModelProto, feeds: dict, rewrite: str, rtol: float = 1e-4, exact: bool = False,
                 beside: tuple[str, ...] = (), **grad_args) -> onnx.ModelProto:
     """The canonical gradient of ``model`` and the same with ``rewrite`` (and the rewrites ``beside`` it)
@@ -113,11 +124,7 @@ def test_conv_weight_grad_patches_inside_a_model():
      "static shapes"),
 ], ids=["large-kernel", "unknown-shapes"])
 def test_conv_weight_grad_patches_declines_with_a_reason(case, reason):
-    model, feeds, wrt = case_model(case)
-    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
-    _, report = optimize(gm, "cpu", first=1)
-    assert report.count("conv_weight_grad_patches") == 0
-    assert any(reason in why for why in report.reasons("conv_weight_grad_patches")), report.declined
+    _declined(case, "conv_weight_grad_patches", reason)
 
 
 # -- conv_forward_patches ---------------------------------------------------------------------------
@@ -154,11 +161,7 @@ def test_conv_forward_patches_shares_the_patches_with_the_weight_gradient(case):
     (Case("Conv", [randn(1, 2, 12, 12), randn(3, 2, 5, 5)], dict(strides=[3, 3]), wrt=[1]), "5x5 kernel"),
 ], ids=["many-positions", "large-kernel"])
 def test_conv_forward_patches_declines_with_a_reason(case, reason):
-    model, _, wrt = case_model(case)
-    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
-    fast, report = optimize(gm, "cpu", first=1)
-    assert report.count("conv_forward_patches") == 0
-    assert any(reason in why for why in report.reasons("conv_forward_patches")), report.declined
+    fast = _declined(case, "conv_forward_patches", reason)
     assert fast.graph.node[0].op_type == "Conv" and len(fast.graph.node) - len(backward_nodes(fast)) == 1
 
 
@@ -214,10 +217,7 @@ def test_conv_input_grad_col2im(case):
     (Case("Conv", [randn(1, 2, 4, 4), randn(3, 2, 3, 3)], dict(pads=[1, 1, 1, 1]), opset=17, wrt=[0]), "opset 18"),
 ], ids=["many-positions", "opset-17"])
 def test_conv_input_grad_col2im_declines_with_a_reason(case, reason):
-    model, _, wrt = case_model(case)
-    _, report = optimize(onnxgrad.grad(model, wrt=wrt, of=["y0"]), None, first=1, rewrites=["conv_input_grad_col2im"])
-    assert report.count("conv_input_grad_col2im") == 0
-    assert any(reason in why for why in report.reasons("conv_input_grad_col2im")), report.declined
+    _declined(case, "conv_input_grad_col2im", reason, alone=True)
 
 
 # -- max_pool_taps ---------------------------------------------------------------------------------
