@@ -21,7 +21,9 @@ is what the update and its guard cost), the TrainingSession AdamW step,
 the ratios step/forward and gradient/forward, and, when torch is importable,
 PyTorch eager's step (zero_grad, forward, loss, backward, AdamW.step) on the
 same weights and batch, and the same step with the forward and loss through ``torch.compile``
-(compiled during warm-up; ``--no-compile`` skips it); ``--recompute`` adds the step of a
+(compiled during warm-up; ``--no-compile`` skips it), and PyTorch eager's step without ``AdamW.step``: a
+line under each model splits both steps into the update (step - gradient) and the forward and backward.
+``--recompute`` adds the step of a
 ``TrainingSession(recompute=True)`` (:mod:`onnxgrad.recompute`). Every framework runs with 2 intra-op threads
 (``BENCH_THREADS``) whose idle threads block rather than spin: on shared,
 oversubscribed cores (where this was written) spinning threads stall the other
@@ -114,7 +116,7 @@ def mlp(batch: int = 64) -> Bench:
     feeds = {"x": rng.standard_normal((batch, 784)).astype(np.float32)}
     target = {"y": rng.integers(0, 10, batch).astype(np.int64)}
 
-    def torch_step(params, compile: bool = False):
+    def torch_step(params, compile: bool = False, update: bool = True):
         import torch
         import torch.nn.functional as F
 
@@ -128,7 +130,7 @@ def mlp(batch: int = 64) -> Bench:
                 if i < 2:
                     h = F.relu(h)
             return F.cross_entropy(h, y)
-        return _torch_adamw(p, loss_fn, compile)
+        return _torch_adamw(p, loss_fn, compile, update)
 
     return Bench("mlp", m, "logits", losses.CrossEntropyLoss(output="logits", target="y"), feeds, target, w,
                  torch_step)
@@ -156,7 +158,7 @@ def cnn(batch: int = 32) -> Bench:
     feeds = {"x": rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)}
     target = {"y": rng.integers(0, 10, batch).astype(np.int64)}
 
-    def torch_step(params, compile: bool = False):
+    def torch_step(params, compile: bool = False, update: bool = True):
         import torch
         import torch.nn.functional as F
 
@@ -168,7 +170,7 @@ def cnn(batch: int = 32) -> Bench:
             for i in (1, 2):
                 h = F.max_pool2d(F.relu(F.conv2d(h, p[f"conv{i}.weight"], p[f"conv{i}.bias"], padding=1)), 2)
             return F.cross_entropy(F.linear(h.flatten(1), p["fc.weight"], p["fc.bias"]), y)
-        return _torch_adamw(p, loss_fn, compile)
+        return _torch_adamw(p, loss_fn, compile, update)
 
     return Bench("cnn", m, "logits", losses.CrossEntropyLoss(output="logits", target="y"), feeds, target, w,
                  torch_step)
@@ -230,7 +232,7 @@ def transformer(batch: int = 8, seq: int = 128, d: int = 256, heads: int = 4, hi
     feeds = {"x": rng.standard_normal((batch, seq, d)).astype(np.float32)}
     target = {"target": rng.standard_normal((batch, seq, d)).astype(np.float32)}
 
-    def torch_step(params, compile: bool = False):
+    def torch_step(params, compile: bool = False, update: bool = True):
         import torch
         import torch.nn.functional as F
 
@@ -249,7 +251,7 @@ def transformer(batch: int = 8, seq: int = 128, d: int = 256, heads: int = 4, hi
             h = F.gelu(torch.matmul(h, p["fc1.weight"]) + p["fc1.bias"])
             out = r + torch.matmul(h, p["fc2.weight"]) + p["fc2.bias"]
             return F.mse_loss(out, t)
-        return _torch_adamw(p, loss_fn, compile)
+        return _torch_adamw(p, loss_fn, compile, update)
 
     return Bench("transformer", m, "out", losses.MSELoss(output="out", target="target"), feeds, target, w,
                  torch_step)
@@ -304,7 +306,7 @@ def resnet18(batch: int = 8, size: int = 112, classes: int = 100) -> Bench:
     feeds = {"x": rng.standard_normal((batch, 3, size, size)).astype(np.float32)}
     target = {"y": rng.integers(0, classes, batch).astype(np.int64)}
 
-    def torch_step(params, compile: bool = False):
+    def torch_step(params, compile: bool = False, update: bool = True):
         import torch
         import torch.nn.functional as F
 
@@ -328,7 +330,7 @@ def resnet18(batch: int = 8, size: int = 112, classes: int = 100) -> Bench:
                 h = F.relu(b + (cbr(h, f"{name}.downsample", stride, False) if project else h))
             h = F.adaptive_avg_pool2d(h, 1).flatten(1)
             return F.cross_entropy(F.linear(h, trainable["fc.weight"], trainable["fc.bias"]), y)
-        return _torch_adamw(trainable, loss_fn, compile)
+        return _torch_adamw(trainable, loss_fn, compile, update)
 
     return Bench("resnet18", m, "logits", losses.CrossEntropyLoss(output="logits", target="y"), feeds, target, w,
                  torch_step)
@@ -395,10 +397,11 @@ def resnet18_export(batch: int = 8, size: int = 112, classes: int = 100) -> Benc
     trainable = onnxgrad.parameters(loss(m), loss="loss").trainable
     weights = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer if i.name in trainable}
 
-    def torch_step(params, compile: bool = False):
+    def torch_step(params, compile: bool = False, update: bool = True):
         module = copy.deepcopy(net)
         x, y = torch.from_numpy(feeds["x"]), torch.from_numpy(target["y"])
-        return _torch_adamw(dict(module.named_parameters()), lambda: F.cross_entropy(module(x), y), compile)
+        return _torch_adamw(dict(module.named_parameters()), lambda: F.cross_entropy(module(x), y), compile,
+                            update)
 
     return Bench("resnet18_export", m, "logits", loss, feeds, target, weights, torch_step)
 
@@ -408,9 +411,10 @@ OPTIONAL = {"resnet18_export": resnet18_export}     # named on the command line:
 BUILDERS = {**MODELS, **OPTIONAL}
 
 
-def _torch_adamw(params, loss_fn, compile: bool = False) -> Callable[[], float]:
+def _torch_adamw(params, loss_fn, compile: bool = False, update: bool = True) -> Callable[[], float]:
     """PyTorch's step: zero_grad, forward, loss, backward, AdamW.step (torch's default AdamW);
-    ``compile``: the forward and loss through ``torch.compile`` (its backward compiled by AOTAutograd)."""
+    ``compile``: the forward and loss through ``torch.compile`` (its backward compiled by AOTAutograd);
+    ``update=False``: the step without AdamW.step (its forward and backward alone)."""
     import torch
 
     opt = torch.optim.AdamW(params.values(), lr=1e-3)
@@ -421,7 +425,8 @@ def _torch_adamw(params, loss_fn, compile: bool = False) -> Callable[[], float]:
         opt.zero_grad(set_to_none=True)
         loss = loss_fn()
         loss.backward()
-        opt.step()
+        if update:
+            opt.step()
         return float(loss.detach())
     return step
 
@@ -525,6 +530,7 @@ def measure(bench: Bench, reps: int, warmup: int, with_torch: bool, with_compile
 
         torch.set_num_threads(THREADS)
         runs["torch"] = bench.torch_step(bench.weights)
+        runs["torch_gradient"] = bench.torch_step(bench.weights, update=False)
         if with_compile:
             runs["compile"] = bench.torch_step(bench.weights, compile=True)
     t_compile = None
@@ -651,6 +657,11 @@ def main(argv: list[str]) -> None:
               f"{cell('torch'):>17} {cell('compile'):>17} {ms['step'] / ms['forward']:>8.2f} "
               f"{ms['gradient'] / ms['forward']:>8.2f} {ratio('torch'):>10} {ratio('compile'):>13} "
               f"{r['fwd_nodes']:>4}/{r['grad_nodes']}/{r['train_nodes']}", flush=True)
+        if "torch_gradient" in ms:
+            print(f"    the update, step - gradient: ours {ms['step'] - ms['gradient']:.2f} ms, PyTorch's "
+                  f"{ms['torch'] - ms['torch_gradient']:.2f} (its step without AdamW.step: "
+                  f"{cell('torch_gradient')}); forward + backward, ours / PyTorch's: "
+                  f"{ms['gradient'] / ms['torch_gradient']:.2f}", flush=True)
         if "recompute" in ms:
             print(f"    step with recompute=True {cell('recompute')} ms: {ms['recompute'] / ms['step']:.2f} x the step",
                   flush=True)
