@@ -1,4 +1,5 @@
-"""Forward + backward of each of ResNet-18's convolutions (3x112x112, batch 8), onnxgrad against PyTorch.
+"""Forward + backward of each of ResNet-18's convolutions and batch norms (3x112x112, batch 8), onnxgrad
+against PyTorch.
 
 For every convolution shape of ``bench_step.py``'s ResNet-18, three runs, interleaved (median [min] of
 ``--reps``, ms), each giving y, dx and dW for a given dy:
@@ -10,7 +11,9 @@ For every convolution shape of ``bench_step.py``'s ResNet-18, three runs, interl
   weight changes every step (it measures what those kernels would be worth);
 - ``torch``: ``conv2d`` forward and ``torch.autograd.grad`` (oneDNN on the CPU).
 
-The total weighs each shape by how often ResNet-18 has it. 2 intra-op threads that block when idle, as in
+Then each stage's batch norm in training mode followed by ReLU (y, dx, dscale, dB for a given dy): ``ours``
+(:func:`onnxgrad.train_mode.to_train_mode` then ``grad`` with the CPU rewrites) against PyTorch's
+``batch_norm(training=True)`` and ``relu``. The totals weigh each shape by how often ResNet-18 has it. 2 intra-op threads that block when idle, as in
 ``bench_step.py``. A benchmark, not a test: it prints and asserts nothing.
 
     PYTHONPATH=. python bench/bench_conv.py [--reps 20]
@@ -115,6 +118,70 @@ def main(argv: list[str]) -> None:
               f"{med['ours'] / med['torch']:>10.2f}", flush=True)
     print(f"{'ResNet-18 total (x count)':<33} {totals['ours']:>15.1f} {totals['constant']:>17.1f} "
           f"{totals['torch']:>15.1f} {totals['ours'] / totals['torch']:>10.2f}")
+    batch_norms(args.reps)
+
+
+# (label, count in ResNet-18: a block's two batch norms, each followed by a ReLU, the second through the
+# residual Add; batch, channels, image size)
+BN_SHAPES = [("stem 64 56", 1, 8, 64, 56), ("layer1 64 28", 4, 8, 64, 28), ("layer2 128 14", 4, 8, 128, 14),
+             ("layer3 256 7", 4, 8, 256, 7), ("layer4 512 4", 4, 8, 512, 4)]
+
+
+def _bn_relu_model(n, c, size) -> onnx.ModelProto:
+    from onnx import TensorProto, helper, numpy_helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, c, size, size])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, c, size, size])
+    stats = [numpy_helper.from_array(np.full(c, v, np.float32), name)
+             for name, v in (("scale", 1.0), ("bias", 0.0), ("mean", 0.0), ("var", 1.0))]
+    nodes = [helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"], ["z"], name="bn"),
+             helper.make_node("Relu", ["z"], ["y"], name="relu")]
+    model = helper.make_model(helper.make_graph(nodes, "bn_relu", [x], [y], stats),
+                              opset_imports=[helper.make_opsetid("", B.OPSET)])
+    model.ir_version = 8
+    return model
+
+
+def batch_norms(reps: int) -> None:
+    import torch
+
+    import onnxgrad
+    from onnxgrad.train_mode import to_train_mode
+
+    print(f"\n{'batch norm (training) + ReLU':<30} {'x':>2} {'ours':>15} {'torch':>15} {'ours/torch':>10}")
+    totals = {"ours": 0.0, "torch": 0.0}
+    for label, count, n, c, size in BN_SHAPES:
+        gm = onnxgrad.grad(to_train_mode(_bn_relu_model(n, c, size)).model, wrt=["x", "scale", "bias"], of=["y"],
+                           target="cpu")
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal([n, c, size, size]).astype(np.float32)
+        seed = next(i for i in gm.graph.input if i.name != "x")
+        dy = rng.standard_normal([n, c, size, size]).astype(np.float32)
+        ours, outputs = B.ort_session(gm), [o.name for o in gm.graph.output]
+        tx, tdy = torch.from_numpy(x).requires_grad_(True), torch.from_numpy(dy)
+        scale, bias = torch.ones(c, requires_grad=True), torch.zeros(c, requires_grad=True)
+        mean, var = torch.zeros(c), torch.ones(c)
+
+        def torch_step():
+            y = torch.relu(torch.nn.functional.batch_norm(tx, mean, var, scale, bias, training=True))
+            return torch.autograd.grad(y, (tx, scale, bias), tdy)
+
+        runs = {"ours": lambda: ours.run(outputs, {"x": x, seed.name: dy}), "torch": torch_step}
+        for fn in runs.values():
+            for _ in range(3):
+                fn()
+        times: dict[str, list[float]] = {key: [] for key in runs}
+        for _ in range(reps):
+            for key, fn in runs.items():
+                times[key].append(B._time(fn))
+        med = {key: float(np.median(v)) for key, v in times.items()}
+        for key in totals:
+            totals[key] += count * med[key]
+        cell = {key: f"{med[key]:.2f} [{min(times[key]):.2f}]" for key in runs}
+        print(f"{label:<30} {count:>2} {cell['ours']:>15} {cell['torch']:>15} {med['ours'] / med['torch']:>10.2f}",
+              flush=True)
+    print(f"{'ResNet-18 total (x count)':<33} {totals['ours']:>15.1f} {totals['torch']:>15.1f} "
+          f"{totals['ours'] / totals['torch']:>10.2f}")
 
 
 if __name__ == "__main__":
