@@ -72,6 +72,20 @@ def _constant_weight(model: onnx.ModelProto, w: np.ndarray) -> onnx.ModelProto:
     return out
 
 
+def _interleaved(runs: dict, reps: int) -> tuple[dict[str, float], dict[str, str]]:
+    """Each run warmed up, then timed ``reps`` times in interleaved rounds: the medians, and 'median [min]'
+    cells, in ms."""
+    for fn in runs.values():
+        for _ in range(3):
+            fn()
+    times: dict[str, list[float]] = {key: [] for key in runs}
+    for _ in range(reps):
+        for key, fn in runs.items():
+            times[key].append(B._time(fn))
+    med = {key: float(np.median(v)) for key, v in times.items()}
+    return med, {key: f"{med[key]:.2f} [{min(times[key]):.2f}]" for key in runs}
+
+
 def main(argv: list[str]) -> None:
     import torch
 
@@ -103,17 +117,9 @@ def main(argv: list[str]) -> None:
         runs = {"ours": lambda: ours.run(None, {"x": x, "w": w, seed.name: dy}),
                 "constant": lambda: constant.run(None, {"x": x, seed.name: dy}),
                 "torch": torch_step}
-        for fn in runs.values():
-            for _ in range(3):
-                fn()
-        times: dict[str, list[float]] = {key: [] for key in runs}
-        for _ in range(args.reps):
-            for key, fn in runs.items():
-                times[key].append(B._time(fn))
-        med = {key: float(np.median(v)) for key, v in times.items()}
+        med, cell = _interleaved(runs, args.reps)
         for key in totals:
             totals[key] += count * med[key]
-        cell = {key: f"{med[key]:.2f} [{min(times[key]):.2f}]" for key in runs}
         print(f"{label:<30} {count:>2} {cell['ours']:>15} {cell['constant']:>17} {cell['torch']:>15} "
               f"{med['ours'] / med['torch']:>10.2f}", flush=True)
     print(f"{'ResNet-18 total (x count)':<33} {totals['ours']:>15.1f} {totals['constant']:>17.1f} "
@@ -167,17 +173,9 @@ def batch_norms(reps: int) -> None:
             return torch.autograd.grad(y, (tx, scale, bias), tdy)
 
         runs = {"ours": lambda: ours.run(outputs, {"x": x, seed.name: dy}), "torch": torch_step}
-        for fn in runs.values():
-            for _ in range(3):
-                fn()
-        times: dict[str, list[float]] = {key: [] for key in runs}
-        for _ in range(reps):
-            for key, fn in runs.items():
-                times[key].append(B._time(fn))
-        med = {key: float(np.median(v)) for key, v in times.items()}
+        med, cell = _interleaved(runs, reps)
         for key in totals:
             totals[key] += count * med[key]
-        cell = {key: f"{med[key]:.2f} [{min(times[key]):.2f}]" for key in runs}
         print(f"{label:<30} {count:>2} {cell['ours']:>15} {cell['torch']:>15} {med['ours'] / med['torch']:>10.2f}",
               flush=True)
     print(f"{'ResNet-18 total (x count)':<33} {totals['ours']:>15.1f} {totals['torch']:>15.1f} "
