@@ -472,6 +472,7 @@ def gradient_model(bench: Bench) -> tuple[onnx.ModelProto, dict[str, np.ndarray]
     import inspect
 
     import onnxgrad
+    import onnxgrad.artifacts as A
 
     model = bench.loss(bench.forward)
     try:
@@ -483,13 +484,8 @@ def gradient_model(bench: Bench) -> tuple[onnx.ModelProto, dict[str, np.ndarray]
     # (older onnxgrad versions have no target)
     target = {"target": "cpu"} if "target" in inspect.signature(onnxgrad.grad).parameters else {}
     gm = onnxgrad.grad(model, loss="loss", **target)      # wrt: the parameters the session trains
-    held = [t for t in gm.graph.initializer if t.name in bench.weights]
-    for t in held:
-        gm.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
-    kept = [t for t in gm.graph.initializer if t.name not in bench.weights]
-    del gm.graph.initializer[:]
-    gm.graph.initializer.extend(kept)
-    return gm, {t.name: bench.weights[t.name] for t in held}
+    held = [t.name for t in gm.graph.initializer if t.name in bench.weights]
+    return A._params_as_inputs(gm, held, defaults=False), {name: bench.weights[name] for name in held}
 
 
 # -- measuring ------------------------------------------------------------------------------------
