@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_step as B  # noqa: E402  (sets the OpenMP environment before torch is imported)
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
+from bench_rewrites import _conv  # noqa: E402  (the one-Conv model, the weight a graph input)
 
 # (label, count in ResNet-18, batch, in channels, out channels, image size, kernel, stride)
 SHAPES = [
@@ -44,20 +45,6 @@ SHAPES = [
     ("layer4 3x3 512 4", 3, 8, 512, 512, 4, 3, 1),
     ("downsample 1x1/2 256->512 7", 1, 8, 256, 512, 7, 1, 2),
 ]
-
-
-def _conv_model(n, c, m, size, k, s) -> onnx.ModelProto:
-    from onnx import TensorProto, helper
-
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [n, c, size, size])
-    w = helper.make_tensor_value_info("w", TensorProto.FLOAT, [m, c, k, k])
-    out = (size + 2 * (k // 2) - k) // s + 1
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [n, m, out, out])
-    node = helper.make_node("Conv", ["x", "w"], ["y"], name="conv", pads=[k // 2] * 4, strides=[s, s])
-    model = helper.make_model(helper.make_graph([node], "conv", [x, w], [y]),
-                              opset_imports=[helper.make_opsetid("", B.OPSET)])
-    model.ir_version = 8
-    return model
 
 
 def _constant_weight(model: onnx.ModelProto, w: np.ndarray) -> onnx.ModelProto:
@@ -99,11 +86,11 @@ def main(argv: list[str]) -> None:
     print(f"{'conv':<30} {'x':>2} {'ours':>15} {'ours, constant w':>17} {'torch':>15} {'ours/torch':>10}")
     totals = {"ours": 0.0, "constant": 0.0, "torch": 0.0}
     for label, count, n, c, m, size, k, s in SHAPES:
-        rng = np.random.default_rng(0)
-        x = rng.standard_normal([n, c, size, size]).astype(np.float32)
-        w = (rng.standard_normal([m, c, k, k]) / np.sqrt(c * k * k)).astype(np.float32)
-        gm = onnxgrad.grad(_conv_model(n, c, m, size, k, s), wrt=["x", "w"], of=["y"], target="cpu")
+        model, wrt, feeds = _conv(n, c, m, size, k=k, s=s)
+        x, w = feeds["x"], feeds["w"]
+        gm = onnxgrad.grad(model, wrt=wrt, of=["y"], target="cpu")
         seed = next(i for i in gm.graph.input if i.name not in ("x", "w"))
+        rng = np.random.default_rng(1)
         dy = rng.standard_normal([d.dim_value for d in seed.type.tensor_type.shape.dim]).astype(np.float32)
         ours, constant = B.ort_session(gm), B.ort_session(_constant_weight(gm, w))
         tx, tw, tdy = (torch.from_numpy(a) for a in (x, w, dy))
