@@ -469,17 +469,14 @@ class _Pass:
         return out
 
     def _torch_names(self) -> dict[str, str]:
-        """PyTorch's names of the wrt initializers, where the exporter recorded them (folded ones too)."""
-        from .params import SIGNATURE_KEY, parameters
+        """PyTorch's names of the wrt initializers, where the exporter recorded them (folded ones too): from
+        the policy's report when the pass made one, else from the metadata alone (the values of parameters
+        held aside by a training build are not there to read)."""
+        from .params import recorded_torch_names
 
-        g = self.model.graph
-        if self.report is None and any(p.key == SIGNATURE_KEY for p in list(g.metadata_props) + list(
-                self.model.metadata_props)):
-            self.report = parameters(self.model, loss=self.loss, of=self.of or None, strict_tags=self.strict,
-                                     _pass=self)
-        if self.report is None:
-            return {}
-        return {p.name: p.torch_name for p in self.report if p.torch_name and p.torch_name != p.name}
+        names = ({p.name: p.torch_name for p in self.report if p.torch_name} if self.report is not None
+                 else recorded_torch_names(self.model))
+        return {k: v for k, v in names.items() if v != k}
 
     def _assemble(self, backward, read, seed_inputs, grad_outputs, groups) -> onnx.ModelProto:
         from . import __version__

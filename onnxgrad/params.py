@@ -42,7 +42,7 @@ from onnx import numpy_helper
 from . import model as M
 from .errors import UnknownNameError
 
-__all__ = ["Parameter", "ParameterReport", "parameters", "restore_ties"]
+__all__ = ["Parameter", "ParameterReport", "parameters", "recorded_torch_names", "restore_ties"]
 
 KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 FOLDED_KEY = "pkg.onnxscript.optimizer.folded_from"
@@ -153,6 +153,22 @@ def parameters(
     facts = _ModelFacts(model)
     decisions = [_decide(init, facts, set(frozen), reach, what) for init in floats]
     return ParameterReport(_break_ties(decisions, facts, {i.name: i for i in floats}), what)
+
+
+def recorded_torch_names(model: onnx.ModelProto) -> dict[str, str]:
+    """PyTorch's name of each float initializer the exporter recorded one for (a folded tensor: the
+    parameters it was folded from), from the metadata alone: no tensor's values are read, so the
+    names of parameters whose data is held aside are known too."""
+    facts = _ModelFacts(model)
+    names = {}
+    for init in model.graph.initializer:
+        if init.data_type not in M.FLOAT_TYPES:
+            continue
+        if facts.kind(init.name):
+            names[init.name] = facts.torch_name(init.name)
+        elif facts.folded_from(init.name) is not None and facts.parameter_sources(init.name):
+            names[init.name] = ", ".join(facts.parameter_sources(init.name))
+    return names
 
 
 class _ModelFacts:
