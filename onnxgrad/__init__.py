@@ -9,6 +9,8 @@ __version__ = "0.1.0"
 
 from .autodiff import grad, gradient_spec
 from .errors import (
+    ExportFoldedError,
+    ExportWarning,
     InvalidModelError,
     NonFloatError,
     OnnxGradError,
@@ -54,6 +56,8 @@ __all__ = [
     "parameters",
     "register_rule",
     "OnnxGradError",
+    "ExportFoldedError",
+    "ExportWarning",
     "InvalidModelError",
     "UnknownNameError",
     "NonFloatError",

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -45,7 +46,7 @@ from . import graph as G
 from . import model as M
 from .autodiff import grad, gradient_spec
 from .builder import Builder, NameScope, TensorInfo, Var
-from .errors import OnnxGradError, UnknownNameError
+from .errors import ExportFoldedError, ExportWarning, OnnxGradError, UnknownNameError
 from .files import HELD, copy_model, is_held, stripped
 from .optim import AdamW, Optimizer, UpdateContext
 from .params import ParameterReport, parameters, restore_ties
@@ -225,11 +226,12 @@ def build(
     _check_loss(loss_model, loss_name)
     frozen = list(dict.fromkeys(frozen))
     report = parameters(loss_model, loss=loss_name, frozen=frozen, strict_tags=strict_tags)
+    _say_findings(report, train_mode)
     params = _chosen(report, trainable, frozen) if trainable is not None else report.trainable
-    if trainable is None:      # tied copies are computed from the parameter they copy, as in PyTorch
-        loss_model = restore_ties(loss_model, report)
-        if forward is not None:
-            forward = restore_ties(forward, report)
+    # tensors merged by value get their own again; tied copies are computed from the parameter they copy
+    loss_model = restore_ties(loss_model, report, ties=trainable is None)
+    if forward is not None:
+        forward = restore_ties(forward, report, ties=trainable is None)
     if not params:
         left = "; ".join(p.line() for p in report.left_out[:8]) + (" ..." if len(report.left_out) > 8 else "")
         raise OnnxGradError(f"nothing to train: no float initializer of the model is a trainable parameter for "
@@ -247,6 +249,16 @@ def build(
               recompute=recompute)
     return _Builder(loss_model, forward, gm, loss_name, params, frozen, optimizer, clip_grad_norm,
                     int(accumulation_steps), guard, defaults, running, keep_grads, report, train_mode).run(split)
+
+
+def _say_findings(report: ParameterReport, train_mode: bool) -> None:
+    """Before anything is built: refuse what cannot train as PyTorch's ``model.train()`` would, and warn
+    about every other thing the exporter did that makes training differ from PyTorch's."""
+    refused = [f for f in report.findings if f.refused_in_train_mode and train_mode]
+    if refused:
+        raise ExportFoldedError("cannot train as PyTorch would: " + "; and ".join(f.message for f in refused))
+    for f in report.findings:
+        warnings.warn(f"training will differ from PyTorch's: {f.message}", ExportWarning, stacklevel=3)
 
 
 def _chosen(report: ParameterReport, trainable: Sequence[str], frozen: Sequence[str]) -> list[str]:

@@ -173,7 +173,7 @@ class _Pass:
             from .params import parameters, restore_ties
 
             report = parameters(self.model, loss=self.loss, of=self.of or None, strict_tags=self.strict, _pass=self)
-            if any(p.tied_to for p in report):       # tied copies are computed from their parameter
+            if any(p.tied_to or p.merged_into for p in report):   # tied copies computed, merged ones split
                 self.model = restore_ties(self.model, report)
                 self.nodes = list(self.model.graph.node)
                 self.producer = {o: node for node in self.nodes for o in node.output if o}

@@ -161,7 +161,7 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
     tg.add_argument("--eval-mode", action="store_true",
                     help="keep the exported eval-mode graph while training (BatchNormalization on its running "
                     "statistics, Dropout off): frozen-BN fine-tuning; default: train mode, as model.train()")
-    tg.add_argument("--eval-output", metavar="PATH", help="default: <stem>.eval.onnx beside MODEL")
+    tg.add_argument("--eval-output", metavar="PATH", help="default: <stem>.eval.onnx beside -o (else MODEL)")
 
 
 def _default_output(model_path: str) -> str:
@@ -200,7 +200,7 @@ def run_grad(args: argparse.Namespace) -> int:
     from . import check as C
     from .autodiff import backward_nodes, grad, gradient_spec
     from .model import load
-    from .params import parameters
+    from .params import parameters, restore_ties
 
     if args.optimizer:
         return run_train(args)
@@ -219,6 +219,7 @@ def run_grad(args: argparse.Namespace) -> int:
     report = None
     if args.wrt is None:
         report = parameters(model, loss=loss_name, of=args.of, strict_tags=args.strict_tags)
+        model = restore_ties(model, report)       # merged tensors split off, tied copies computed
         if not report.trainable:
             left = "; ".join(p.line() for p in report.left_out[:5]) + (" ..." if len(report.left_out) > 5 else "")
             raise OnnxGradError("no trainable parameter found" + (f" (float initializers left out: {left})" if left
@@ -342,6 +343,9 @@ def run_train(args: argparse.Namespace) -> int:
         raise OnnxGradError("--loss-fn appends the loss: do not also give --loss")
     stem = args.model[:-5] if args.model.endswith(".onnx") else args.model
     out_path = args.output or stem + ".train.onnx"
+    if args.output:         # the other artifacts go beside the training model the user placed
+        stem = out_path[:-11] if out_path.endswith(".train.onnx") else (out_path[:-5] if out_path.endswith(".onnx")
+                                                                        else out_path)
     eval_path = args.eval_output or stem + ".eval.onnx"
     acc_path = (out_path[:-11] if out_path.endswith(".train.onnx") else stem) + ".accumulate.onnx"
     for path in (out_path, eval_path):
@@ -453,14 +457,28 @@ COMMANDS = {"ops": run_ops, "lower": run_lower, "params": run_params, "jvp": run
 _FLAG_OF = {"target=": "--target", "output=": "--predictions"}
 
 
+_FLAG_FOR = {"train_mode=False": "--eval-mode", "trainable=": "--train"}
+
+
 def _as_flags(message: str) -> str:
+    """A message naming Python arguments, with the command line's flags for them."""
     for argument, flag in _FLAG_OF.items():
         message = message.replace(f"with {argument}", f"with {flag}")
+    for argument, flag in _FLAG_FOR.items():
+        message = message.replace(argument, flag)
     return message
 
 
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """onnxgrad's warnings as one ``warning: ...`` line each, as errors are one ``error: ...`` line."""
+    print(f"warning: {_as_flags(str(message))}", file=sys.stderr if file is None else file)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    import warnings
+
     argv = list(sys.argv[1:] if argv is None else argv)
+    warnings.showwarning = _warning_line
     try:
         if argv and argv[0] in COMMANDS and not os.path.isfile(argv[0]):
             return COMMANDS[argv[0]](argv[1:])

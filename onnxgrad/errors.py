@@ -55,5 +55,15 @@ class UnsupportedOpError(OnnxGradError):
         return cls({op_type: node}, {op_type: reason}, declined=True)
 
 
+class ExportFoldedError(OnnxGradError):
+    """The exporter folded what training needs (BatchNorm into the convolutions): the model cannot train as
+    PyTorch's ``model.train()`` would. The message names the tensors and the way out."""
+
+
+class ExportWarning(UserWarning):
+    """The exporter did something that makes training differ from PyTorch's (a parameter folded into a
+    function of it, parameters merged beyond telling apart); the message names the tensors and the way out."""
+
+
 class RuleError(Exception):
     """A gradient rule broke its contract (a bug in onnxgrad or in a user's rule, not in the model)."""

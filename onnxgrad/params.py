@@ -37,12 +37,12 @@ from typing import Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
-from onnx import numpy_helper
+from onnx import helper, numpy_helper
 
 from . import model as M
 from .errors import UnknownNameError
 
-__all__ = ["Parameter", "ParameterReport", "parameters", "recorded_torch_names", "restore_ties"]
+__all__ = ["Finding", "Parameter", "ParameterReport", "parameters", "recorded_torch_names", "restore_ties"]
 
 KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 FOLDED_KEY = "pkg.onnxscript.optimizer.folded_from"
@@ -60,8 +60,19 @@ _RUNNING_STATS = {"BatchNormalization": (3, 4)}
 _REPEAT_CHECK_LIMIT = 1 << 22
 # named (non-generated) tensors larger than this are not read for the mask checks
 _VALUE_CHECK_LIMIT = 1 << 24
-NO_FOLDING_HINT = ("to train it, export with torch.onnx.export(..., dynamo=True, optimize=False) so that the "
-                   "parameter stays one tensor, or name it in trainable=")
+NO_FOLDING_HINT = ("to train it, export with onnxgrad.from_torch(module, args) (or torch.onnx.export(..., "
+                   "dynamo=True, optimize=False)) so that the parameter stays one tensor, or name it in trainable=")
+REEXPORT_HINT = ("export with onnxgrad.from_torch(module, args), or torch.onnx.export(..., dynamo=True, "
+                 "optimize=False) with the module as it trains")
+NODE_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+# the dynamo exporter names a folded tensor after the aten op that made it (exp, mul_3): one of these is a
+# function of the parameter (its values changed, not rearranged), which cannot train as the parameter
+_FUNCTION_OF = re.compile(r"^(exp|exp2|expm1|log|log1p|log2|log10|mul|div|add|sub|rsub|pow|sqrt|rsqrt|reciprocal|"
+                          r"neg|abs|sign|sigmoid|tanh|softplus|softmax|log_softmax|relu|gelu|silu|elu|clamp|clamp_min|"
+                          r"clamp_max|sin|cos|square|sum|mean|norm|linalg_vector_norm|matmul|mm|bmm|addmm|where|"
+                          r"maximum|minimum|cumsum|erf)(_\d+)?$")
+# the TorchScript exporter's name for a Conv weight or bias it computed by constant folding (BatchNorm folded in)
+_TORCHSCRIPT_FOLDED_CONV = re.compile(r"^onnx::Conv(Transpose)?_\d+$")
 
 
 @dataclass(frozen=True)
@@ -74,18 +85,40 @@ class Parameter:
     torch_name: str | None = None
     tied_to: str | None = None        # a copy of this trained initializer, computed from it (see restore_ties)
     tie_op: str | None = None         # how: "Transpose" or "Reshape"
+    merged_into: str | None = None    # a parameter the exporter merged into this initializer (equal values)
+    merged_uses: tuple[tuple[str, int], ...] = ()   # the (node, input) that read it; restore_ties splits it off
+    zeros: tuple[int, ...] | None = None    # a zero bias the exporter dropped: restored as zeros of this shape
 
     def line(self) -> str:
         torch = f" (PyTorch '{self.torch_name}')" if self.torch_name and self.torch_name != self.name else ""
         return f"{self.name}{torch}: {self.reason}"
 
 
-class ParameterReport:
-    """Every float initializer of a model with its decision, in model order."""
+@dataclass(frozen=True)
+class Finding:
+    """Something the exporter did to the model that training cannot take back as PyTorch would train it.
 
-    def __init__(self, entries: Sequence[Parameter], what: str):
+    ``refused_in_train_mode``: training in train mode (``model.train()``) would be wrong, so it is refused;
+    otherwise (and with ``train_mode=False``) the finding is a warning before the first step.
+    """
+
+    kind: str                   # "batchnorm_folded", "merged", "not_one_to_one"
+    tensors: tuple[str, ...]    # the initializers or PyTorch names concerned
+    message: str                # what happened, what it changes, and the way out
+    refused_in_train_mode: bool = False
+
+    def line(self) -> str:
+        return self.message
+
+
+class ParameterReport:
+    """Every float initializer of a model with its decision, in model order, and what the exporter did
+    that training cannot undo (:class:`Finding`)."""
+
+    def __init__(self, entries: Sequence[Parameter], what: str, findings: Sequence[Finding] = ()):
         self.entries = list(entries)
         self.what = what
+        self.findings = list(findings)
         self._by_name = {p.name: p for p in self.entries}
 
     @property
@@ -116,6 +149,9 @@ class ParameterReport:
         if left:
             out.append(f"float initializers not trained: {len(left)}")
             out += ["  " + p.line() for p in left]
+        if self.findings:
+            out.append(f"what the exporter did that training cannot undo: {len(self.findings)}")
+            out += ["  " + f.line() for f in self.findings]
         return out
 
     def __repr__(self) -> str:
@@ -144,15 +180,19 @@ def parameters(
     model, reach, what = _pass.model, _pass.reach, _pass._what()
     g = model.graph
     floats = [i for i in g.initializer if i.data_type in M.FLOAT_TYPES]
-    names = {i.name for i in floats}
+    facts = _ModelFacts(model)
+    merges = _merged_parameters(model, facts)
+    names = {i.name for i in floats} | {t for t, _, _, _ in merges}
     unknown = [f for f in frozen if f not in names]
     if unknown:
         listed = ", ".join(sorted(names)[:20]) + (", ..." if len(names) > 20 else "")
         raise UnknownNameError(f"frozen name(s) {', '.join(map(repr, unknown))} are not float initializers "
                                f"of the model (initializers: {listed})")
-    facts = _ModelFacts(model)
     decisions = [_decide(init, facts, set(frozen), reach, what) for init in floats]
-    return ParameterReport(_break_ties(decisions, facts, {i.name: i for i in floats}), what)
+    decisions = _break_ties(decisions, facts, {i.name: i for i in floats})
+    by_name = {p.name: p for p in decisions}
+    split = [_split_off(target, by_name.get(holder), uses, what, set(frozen)) for target, holder, uses, what in merges]
+    return ParameterReport(decisions + split, what, _findings(model, facts, merges))
 
 
 def recorded_torch_names(model: onnx.ModelProto) -> dict[str, str]:
@@ -204,6 +244,21 @@ class _ModelFacts:
                     else:
                         self.uses.setdefault(name, []).append((node, k))
 
+    @staticmethod
+    def scope(node: onnx.NodeProto) -> str | None:
+        """The PyTorch module a node was exported from: the dynamo exporter's name scopes, or the TorchScript
+        exporter's node name (``/l1/norm1/LayerNormalization`` -> ``l1.norm1``)."""
+        for p in node.metadata_props:
+            if p.key == NODE_SCOPES_KEY:
+                try:
+                    scopes = ast.literal_eval(p.value)
+                except (ValueError, SyntaxError):
+                    return None
+                return str(scopes[-2]) if isinstance(scopes, (list, tuple)) and len(scopes) >= 2 else None
+        if node.name.startswith("/") and node.name.count("/") >= 2:
+            return ".".join(node.name.split("/")[1:-1])
+        return None
+
     def kind(self, name: str) -> str | None:
         """PARAMETER / BUFFER / CONSTANT_TENSOR as the exporter recorded it for this tensor or PyTorch name."""
         meta = self.meta.get(name, {})
@@ -249,6 +304,208 @@ def _parse_signature(text: str) -> tuple[dict[str, str], dict[str, str]]:
     return kinds, targets
 
 
+_BN_STATISTICS = (".running_mean", ".running_var")
+
+
+def _in_graph(model: onnx.ModelProto, facts: _ModelFacts) -> set[str]:
+    """The PyTorch parameters and buffers the graph holds: as initializers, or folded into one."""
+    held = set()
+    for init in model.graph.initializer:
+        if facts.kind(init.name):
+            held.add(facts.torch_name(init.name))
+        held.update(facts.parameter_sources(init.name))
+    return held
+
+
+def _folded_batch_norms(model: onnx.ModelProto, facts: _ModelFacts) -> list[str]:
+    """The BatchNorm modules whose running statistics the graph signature lists but the graph does not hold:
+    the exporter folded them into the preceding convolutions (the dynamo exporter's default optimize=True
+    does, from a module in train mode too)."""
+    held = _in_graph(model, facts)
+    return sorted({t[: -len(suffix)] for t, kind in facts.kinds.items() if kind == "BUFFER"
+                   for suffix in _BN_STATISTICS if t.endswith(suffix) and t not in held})
+
+
+def _merged_parameters(model: onnx.ModelProto, facts: _ModelFacts) -> list[tuple[str, str, tuple, str]]:
+    """Tensors the exporter merged into another initializer because their values were equal, as
+    ``(name, holder, ((node, input), ...), what)``, each to get its own tensor again (:func:`restore_ties`):
+
+    - ``"parameter"``: a PyTorch parameter the graph signature lists (the dynamo exporter's default
+      optimize=True merges zero biases, LayerNorm weights of 1, ...) of which the graph holds no tensor, while
+      the nodes exported from its module (or, where none, from a module above it) read the holder. Taken only
+      where exactly one holder fits (the same attribute name first) and no other parameter claims the same
+      reads, so that nothing is split off wrongly;
+    - ``"statistic"``: a BatchNormalization running statistic that shares its initializer with a weight (the
+      TorchScript exporter merges a fresh running_var with a scale of ones).
+    """
+    g = model.graph
+    inits = {i.name for i in g.initializer if i.data_type in M.FLOAT_TYPES}
+    taken = set(inits) | {o for n in g.node for o in n.output}
+    merges = []
+    for name in sorted(inits):
+        uses = facts.uses.get(name, [])
+        stats = [(node, k) for node, k in uses if k in _RUNNING_STATS.get(node.op_type, ())]
+        if stats and len(stats) < len(uses):
+            for node, k in stats:
+                base = f"{facts.scope(node) or node.name}.{'running_mean' if k == 3 else 'running_var'}"
+                target = base if base not in taken else f"{node.name}/{base.rpartition('.')[2]}"
+                taken.add(target)
+                merges.append((target, name, ((node.name, k),), "statistic"))
+    held = _in_graph(model, facts)
+    missing = [t for t, kind in facts.kinds.items() if kind == "PARAMETER" and t not in held and t not in inits]
+    folded = set(_folded_batch_norms(model, facts))
+    # only a tensor of one value repeated can hold parameters merged by value: random values are never equal
+    values = {i.name: i for i in g.initializer}
+    holders = [name for name in inits if facts.kind(name) == "PARAMETER" and facts.uses.get(name)
+               and _constant_fill(values[name])]
+    claims: dict[str, tuple[str, tuple]] = {}
+    for target in missing:
+        module, _, attr = target.rpartition(".")
+        if module in folded:
+            continue
+        for scopes in ({module}, {module.rsplit(".", j)[0] for j in range(1, module.count(".") + 1)}):
+            found: dict[str, list[tuple[str, int]]] = {}
+            for holder in holders:
+                own = facts.torch_name(holder).rpartition(".")[0]
+                for node, k in facts.uses[holder]:
+                    scope = facts.scope(node)
+                    if scope in scopes and scope != own:
+                        found.setdefault(holder, []).append((node.name, k))
+            same_attr = [h for h in found if facts.torch_name(h).rpartition(".")[2] == attr]
+            pick = same_attr if len(same_attr) == 1 else list(found) if len(found) == 1 else []
+            if pick:
+                claims[target] = (pick[0], tuple(found[pick[0]]))
+                break
+    counted: dict[tuple, int] = {}
+    for _, uses in claims.values():
+        for use in uses:
+            counted[use] = counted.get(use, 0) + 1
+    merges += [(target, holder, uses, "parameter") for target, (holder, uses) in claims.items()
+               if all(counted[u] == 1 for u in uses)]
+    merges += _dropped_biases([t for t in missing if t not in claims and t.rpartition(".")[0] not in folded],
+                              model, facts)
+    return merges
+
+
+def _dropped_biases(missing: list[str], model: onnx.ModelProto, facts: _ModelFacts) -> list[tuple]:
+    """Zero biases the exporter dropped (a Linear's bias of zeros folded away: its Gemm or Conv has no bias
+    input left), as ``(bias, "", ((node, 2), ...), "zeros:<shape>")``: restored as zeros, PyTorch's value."""
+    inits = {i.name: i for i in model.graph.initializer}
+    out = []
+    for target in missing:
+        module, _, attr = target.rpartition(".")
+        if attr != "bias":
+            continue
+        weights = {name for name in inits if facts.torch_name(name) == f"{module}.weight"
+                   or facts.parameter_sources(name) == [f"{module}.weight"]}
+        uses, shape = [], None
+        for w in weights:
+            for node, k in facts.uses.get(w, []):
+                if k != 1 or node.op_type not in ("Gemm", "Conv") or (len(node.input) > 2 and node.input[2]):
+                    continue
+                dims = list(inits[w].dims)
+                trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+                n = dims[0] if node.op_type == "Conv" or trans_b else dims[-1]
+                if shape not in (None, (n,)):
+                    uses = []
+                    break
+                shape = (n,)
+                uses.append((node.name, 2))
+        if uses:
+            out.append((target, "", tuple(uses), "zeros:" + ",".join(map(str, shape))))
+    return out
+
+
+def _split_off(target: str, holder: Parameter | None, uses: tuple, what: str, frozen: set[str]) -> Parameter:
+    """The report's entry for a tensor split off the initializer the exporter merged it into, or for a zero
+    bias it dropped."""
+    if what.startswith("zeros:"):
+        shape = tuple(int(d) for d in what[len("zeros:"):].split(","))
+        trains = target not in frozen
+        reason = ("frozen" if not trains else "PyTorch parameter the exporter dropped because it was zero (its "
+                  f"{'node has' if len(uses) == 1 else 'nodes have'} no bias input left): restored as zeros, as "
+                  "PyTorch trains it")
+        return Parameter(target, trains, reason, target, merged_uses=uses, zeros=shape)
+    if what == "statistic":
+        return Parameter(target, False, f"running statistic of BatchNormalization node '{uses[0][0]}' (a buffer), "
+                         f"which the exporter merged into '{holder.name}' because their values were equal: it gets "
+                         "its own tensor again", None, merged_into=holder.name, merged_uses=uses)
+    if target in frozen:
+        return Parameter(target, False, "frozen", target, merged_into=holder.name, merged_uses=uses)
+    reason = (f"PyTorch parameter, which the exporter merged into '{holder.name}' because their values were "
+              f"equal: it gets its own tensor again (a copy of those values), as PyTorch trains it")
+    if not holder.trainable:
+        reason = f"not trained, as '{holder.name}' which the exporter merged it into: {holder.reason}"
+    return Parameter(target, holder.trainable, reason, target, merged_into=holder.name, merged_uses=uses)
+
+
+def _findings(model: onnx.ModelProto, facts: _ModelFacts, merges: list[tuple[str, str, tuple, str]]
+              ) -> list[Finding]:
+    """What the exporter did that training cannot take back, each with the way out."""
+    g = model.graph
+    out = []
+    folded = _folded_batch_norms(model, facts)
+    if folded:
+        # the fused convolution's weight keeps the parameter's name but lost its own metadata
+        weights = [i.name for i in g.initializer
+                   if i.name in facts.kinds and KIND_KEY not in facts.meta.get(i.name, {})]
+        out.append(Finding("batchnorm_folded", tuple(folded), (
+            f"the exporter folded BatchNorm {', '.join(map(repr, folded))} into the preceding convolution(s)"
+            + (f" ({', '.join(map(repr, weights))} hold W*gamma/sigma)" if weights else "")
+            + ": the graph has no batch statistics to train on nor running statistics to update, so it cannot train "
+            f"as model.train() does; {REEXPORT_HINT}; train_mode=False trains the folded weights with the statistics "
+            "frozen (not PyTorch's parameters: a different update)"), refused_in_train_mode=True))
+    if not facts.kinds:       # no signature (TorchScript): a folded Conv weight has a generated name
+        convs = [n for n in g.node if n.op_type in ("Conv", "ConvTranspose") and len(n.input) > 1
+                 and _TORCHSCRIPT_FOLDED_CONV.match(n.input[1])]
+        if convs and not any(n.op_type == "BatchNormalization" for n in g.node):
+            out.append(Finding("batchnorm_folded", tuple(n.input[1] for n in convs), (
+                f"the exporter computed the weights of {len(convs)} convolution(s) by constant folding ("
+                + ", ".join(f"'{n.input[1]}' of '{n.name}'" for n in convs[:4]) + (", ..." if len(convs) > 4 else "")
+                + "), as torch.onnx.export does when it folds BatchNorm into them (an eval-mode export): training "
+                f"them has no batch statistics and trains W*gamma/sigma, not PyTorch's parameters; {REEXPORT_HINT} "
+                "(TorchScript: training=torch.onnx.TrainingMode.PRESERVE keeps BatchNormalization); train_mode=False "
+                "trains the folded weights with the statistics frozen"), refused_in_train_mode=True))
+    split = {t for t, _, _, _ in merges}
+    unresolved = [t for t, kind in facts.kinds.items() if kind == "PARAMETER" and t not in _in_graph(model, facts)
+                  and t not in split and t.rpartition(".")[0] not in folded]
+    if unresolved:
+        out.append(Finding("merged", tuple(unresolved), (
+            f"{len(unresolved)} PyTorch parameter(s) of the module are not in the graph ("
+            + ", ".join(map(repr, unresolved[:6])) + (", ..." if len(unresolved) > 6 else "")
+            + "): the exporter merged them into tensors of equal values or folded them into constants (or the "
+            "forward does not use them), and which tensor holds each cannot be told, so they are not trained as "
+            f"PyTorch trains them; {REEXPORT_HINT}")))
+    for name in (i.name for i in g.initializer if facts.folded_from(i.name)):
+        sources = facts.parameter_sources(name)
+        if sources and _FUNCTION_OF.match(name):
+            out.append(Finding("not_one_to_one", (name, *sources), (
+                f"the exporter folded a function of PyTorch parameter {', '.join(map(repr, sources))} into the "
+                f"constant '{name}': PyTorch trains the parameter, onnxgrad cannot (training '{name}' instead "
+                f"would be a different update), so it stays as exported; {REEXPORT_HINT}")))
+    if not facts.kinds:       # TorchScript: equal-valued parameters of different modules share one initializer
+        for init in g.initializer:
+            if init.data_type not in M.FLOAT_TYPES or _GENERATED.match(init.name) or "." not in init.name:
+                continue
+            own = init.name.rpartition(".")[0]
+            others = sorted({facts.scope(n) for n, _ in facts.uses.get(init.name, [])} - {own, None})
+            if others and own in {facts.scope(n) for n, _ in facts.uses.get(init.name, [])} and _constant_fill(init):
+                out.append(Finding("merged", (init.name,), (
+                    f"'{init.name}' holds one value repeated and is read by module(s) {', '.join(map(repr, others))} "
+                    f"besides its own: the TorchScript exporter merges parameters of equal values into one "
+                    f"initializer, so PyTorch's separate parameters would train as one (a tied parameter shared on "
+                    f"purpose is fine); {REEXPORT_HINT}")))
+    return out
+
+
+def _constant_fill(init: onnx.TensorProto) -> bool:
+    """Every element equal (a fresh zero bias, a LayerNorm weight of ones): what equal values look like."""
+    if np.prod(init.dims) > _VALUE_CHECK_LIMIT or init.data_location == onnx.TensorProto.EXTERNAL:
+        return False
+    values = numpy_helper.to_array(init).reshape(-1)
+    return values.size > 1 and bool((values == values[0]).all())
+
+
 def _decide(init: onnx.TensorProto, facts: _ModelFacts, frozen: set[str], reach: set[str],
             what: str) -> Parameter:
     name = init.name
@@ -264,13 +521,10 @@ def _decide(init: onnx.TensorProto, facts: _ModelFacts, frozen: set[str], reach:
         return Parameter(name, False, reason, torch_name)
     uses = facts.uses.get(name, [])
     stats = [node for node, k in uses if k in _RUNNING_STATS.get(node.op_type, ()) and node.domain in ("", "ai.onnx")]
-    if stats:
-        reason = f"running statistic of {stats[0].op_type} node '{stats[0].name}' (a buffer)"
-        if len(stats) < len(uses):
-            reason += ("; the exporter also feeds it to other nodes as a weight (it merged tensors of equal "
-                       "values): re-export with torch.onnx.export(..., dynamo=True, optimize=False) or "
-                       "keep_initializers_as_inputs=True (TorchScript) to keep them apart")
-        return Parameter(name, False, reason, torch_name)
+    if stats and len(stats) == len(uses):
+        return Parameter(name, False, f"running statistic of {stats[0].op_type} node '{stats[0].name}' (a buffer)",
+                         torch_name)
+    # also read as a running statistic where the exporter merged equal values: that use gets its own tensor
     kind = facts.kind(name)
     if kind == "PARAMETER":
         return Parameter(name, True, "PyTorch parameter (exporter metadata)", torch_name)
@@ -290,15 +544,17 @@ def _decide_folded(init: onnx.TensorProto, facts: _ModelFacts, sources: list[str
     if not params:
         return Parameter(init.name, False, f"folded by the exporter from constants or buffers ({', '.join(sources)})")
     torch_name = ", ".join(params)
-    if len(sources) == 1:
-        return Parameter(init.name, True, f"PyTorch parameter '{torch_name}' as the exporter folded it "
-                         "(transposed or cast)", torch_name)
+    if _FUNCTION_OF.match(init.name):
+        return Parameter(init.name, False, f"the exporter folded a function of PyTorch parameter '{torch_name}' "
+                         f"into this constant ('{init.name}'): training it would not update '{torch_name}' as "
+                         f"PyTorch does, so it is not trained; {NO_FOLDING_HINT}", torch_name)
     if _repeats_elements(init):
         return Parameter(init.name, False, f"a folded copy that repeats elements of PyTorch parameter "
                          f"'{torch_name}' (a Gather or Expand of it): training the copy separately would break "
                          f"the tie between its elements; {NO_FOLDING_HINT}", torch_name)
-    return Parameter(init.name, True, f"PyTorch parameter '{torch_name}' as the exporter folded it "
-                     "(reshaped or sliced)", torch_name)
+    how = "transposed or cast" if len(sources) == 1 else "reshaped or sliced"
+    return Parameter(init.name, True, f"PyTorch parameter '{torch_name}' as the exporter folded it ({how})",
+                     torch_name)
 
 
 def _repeats_elements(init: onnx.TensorProto) -> bool:
@@ -440,18 +696,39 @@ def _tie_op(copy: onnx.TensorProto, holder: onnx.TensorProto) -> str | None:
     return None
 
 
-def restore_ties(model: onnx.ModelProto, report: ParameterReport) -> onnx.ModelProto:
+def restore_ties(model: onnx.ModelProto, report: ParameterReport, ties: bool = True) -> onnx.ModelProto:
     """A copy of ``model`` in which every initializer the report found tied to a trained one is
-    computed from it (a Transpose or Reshape node), so that training updates both as one
-    parameter and its gradient sums both uses, as in PyTorch."""
-    ties = [p for p in report if p.tied_to]
-    if not ties:
+    computed from it (a Transpose or Reshape node; ``ties=False`` leaves them), so that training updates
+    both as one parameter and its gradient sums both uses, as in PyTorch; and every tensor the exporter
+    merged into another initializer by value has its own tensor again, read by its own nodes."""
+    ties = [p for p in report if p.tied_to] if ties else []
+    merged = [p for p in report if p.merged_into or p.zeros is not None]
+    if not ties and not merged:
         return model
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
     dims = {i.name: list(i.dims) for i in g.initializer}
     tied = {p.name for p in ties}
+    holders = {i.name: i for i in g.initializer}
+    for p in merged:
+        copy = g.initializer.add()
+        if p.zeros is not None:
+            weight = holders.get(next(n.input[1] for n in g.node if n.name == p.merged_uses[0][0]))
+            dtype = weight.data_type if weight is not None else onnx.TensorProto.FLOAT
+            copy.CopyFrom(numpy_helper.from_array(np.zeros(p.zeros, helper.tensor_dtype_to_np_dtype(dtype)), p.name))
+        else:
+            copy.CopyFrom(holders[p.merged_into])
+        copy.name = p.name
+        del copy.metadata_props[:]
+        vi = g.value_info.add()
+        vi.CopyFrom(helper.make_tensor_value_info(p.name, copy.data_type, list(copy.dims)))
+        vi.metadata_props.add(key=KIND_KEY, value="PARAMETER")
+        nodes = {n.name: n for n in g.node}
+        for node, k in p.merged_uses:
+            while len(nodes[node].input) <= k:
+                nodes[node].input.append("")
+            nodes[node].input[k] = p.name
     M.keep_only(g.initializer, lambda t: t.name not in tied)
     nodes = []
     for p in ties:

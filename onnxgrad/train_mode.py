@@ -76,10 +76,26 @@ def to_train_mode(model: onnx.ModelProto, seed: int = 0) -> TrainMode:
 
 
 def to_eval_mode(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` with every Dropout inactive (an export made in train mode keeps them)."""
+    """A copy of ``model`` in inference mode: every Dropout inactive (an export made in train mode keeps them)
+    and every BatchNormalization on its running statistics (the TorchScript exporter's
+    ``training=TrainingMode.TRAINING`` exports them in training mode, with the updated statistics as extra
+    outputs that nothing reads): :func:`to_train_mode` then trains them as PyTorch does."""
     m = onnx.ModelProto()
     m.CopyFrom(model)
     g = m.graph
+    opset = M.opset_of(m)
+    read = {x for n in g.node for x in n.input} | {o.name for o in g.output}
+    for node in g.node:
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and _bn_training(node, opset):
+            used = [o for o in node.output[1:] if o and o in read]
+            if used:
+                raise OnnxGradError(f"BatchNormalization node '{node.name}' runs in training mode and the graph reads "
+                                    f"its updated running statistics ({', '.join(used)}): onnxgrad trains "
+                                    "BatchNormalization itself; export the model in eval mode (onnxgrad.from_torch, or "
+                                    "torch.onnx.export with training=torch.onnx.TrainingMode.PRESERVE)")
+            del node.output[1:]
+            if opset >= 14:
+                _set_attr(node, "training_mode", 0)
     false_name = None
     for node in g.node:
         if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.input) > 2 and node.input[2]:

@@ -263,6 +263,26 @@ def test_where_zero_as_mul(case):
     assert _ops(fast).count("Where") == _ops(canonical).count("Where") - 1 and "Cast" in _ops(fast)
 
 
+def test_where_zero_as_mul_keeps_a_where_that_scrubs_nan():
+    """Softmax's gradient zeroes the NaN rows of fully masked attention with Where(IsNaN(y), 0, y): as a
+    product the NaN stays, and every gradient of the model (the exported GPT at opset 23, ONNX Attention with
+    a causal mask) came out NaN under the CPU target. The rewrite declines it and the gradients are finite."""
+    from pathlib import Path
+
+    models = Path(__file__).resolve().parent.parent / "models"
+    model = onnxgrad.losses.mse_loss(onnx.load(str(models / "gpt_sdpa_dynamo23.onnx")), output="logits",
+                                     target="target")
+    z = np.load(models / "gpt_sdpa_dynamo23.npz")
+    feeds = {"idx": z["input/idx"], "pos": z["input/pos"], "target": np.zeros((2, 8, 32), np.float32)}
+    fast = onnxgrad.grad(model, loss="loss", target="cpu")
+    sess = ort.InferenceSession(fast.SerializeToString(), providers=["CPUExecutionProvider"])
+    for out, value in zip(sess.get_outputs(), sess.run(None, feeds)):
+        assert np.isfinite(value).all(), out.name
+    _, report = optimize(onnxgrad.grad(model, loss="loss"), "cpu", first=len(model.graph.node),
+                         rewrites=["where_zero_as_mul"])
+    assert any("NaN on purpose" in why for _, _, why in report.declined), report.declined
+
+
 # -- targets and plumbing ---------------------------------------------------------------------------
 def _small_cnn() -> tuple[onnx.ModelProto, dict]:
     """conv-bn-relu, overlapping 3x3/2 max-pool, conv, relu, 2x2 max-pool, global pool, linear."""

@@ -463,13 +463,14 @@ def test_folded_copies_that_repeat_elements_are_told_from_weights(values, repeat
     assert _repeats_elements(numpy_helper.from_array(values.astype(np.float32), "t")) == repeats
 
 
-def test_a_tensor_shared_by_a_running_statistic_and_a_weight_is_not_trained():
+def test_a_tensor_shared_by_a_running_statistic_and_a_weight_is_split_apart():
     """Fresh models have equal-valued tensors (zero biases and means) that exporters merge and route
-    through Identity nodes; training the merged tensor would move the running mean too."""
+    through Identity nodes; the running statistic gets its own tensor again, so that training the weight
+    does not move the running mean, and both train as PyTorch's separate bias and buffer."""
     graph = helper.make_graph(
-        [helper.make_node("Conv", ["x", "w"], ["c"]),
-         helper.make_node("Identity", ["zeros"], ["mean"]),
-         helper.make_node("BatchNormalization", ["c", "gamma", "zeros", "mean", "var"], ["y"])],
+        [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+         helper.make_node("Identity", ["zeros"], ["mean"], name="copy"),
+         helper.make_node("BatchNormalization", ["c", "gamma", "zeros", "mean", "var"], ["y"], name="bn")],
         "merged", [helper.make_tensor_value_info("x", F, [2, 2, 3, 3])],
         [helper.make_tensor_value_info("y", F, [2, 2, 3, 3])],
         [numpy_helper.from_array(v.astype(np.float32), k) for k, v in
@@ -477,7 +478,17 @@ def test_a_tensor_shared_by_a_running_statistic_and_a_weight_is_not_trained():
           "zeros": np.zeros(2), "var": np.array([1.0, 2.0])}.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     report = parameters(model)
-    assert report.trainable == ["w", "gamma"]
-    assert "merged tensors" in report["zeros"].reason and "optimize=False" in report["zeros"].reason
-    with pytest.raises(OnnxGradError, match="Identity"):
-        TrainingSession(model, loss=losses.MSELoss(output="y", target="t"))
+    assert report.trainable == ["w", "gamma", "zeros"]
+    split = report["bn.running_mean"]
+    assert not split.trainable and split.merged_into == "zeros" and "own tensor again" in split.reason
+    s = TrainingSession(model, loss=losses.MSELoss(output="y", target="t"), optimizer=optim.SGD(lr=0.5))
+    x = np.random.default_rng(1).standard_normal((2, 2, 3, 3)).astype(np.float32)
+    s.step({"x": x, "t": np.zeros((2, 2, 3, 3), np.float32)})
+    assert set(s.buffers()) == {"bn.running_mean", "var"}
+    # the batch mean moved the running mean (ONNX momentum 0.9: a tenth of it), the gradient moved the bias
+    w = numpy_helper.to_array(model.graph.initializer[0]).reshape(2, 2)
+    batch_mean = w @ x.mean((0, 2, 3))                 # the 1x1 convolution's output, averaged per channel
+    np.testing.assert_allclose(s.buffers()["bn.running_mean"], 0.1 * batch_mean, rtol=1e-5, atol=1e-7)
+    assert not np.allclose(s.parameters()["zeros"], 0.0)
+
+

@@ -4,7 +4,9 @@ The canonical rules write ``Where(mask, dy, 0)`` (ReLU, ThresholdedRelu, Clip, .
 PyTorch's ``threshold_backward``. onnxruntime's CPU Where with a scalar branch is a slow broadcast
 kernel; ``dy * Cast(mask)`` gives the same values for finite ``dy`` at the cost of two cheap
 elementwise passes. A non-finite ``dy`` where the mask is false becomes NaN instead of 0: only
-gradients (nodes after the forward) are rewritten, where that already means a failed step.
+gradients of the piecewise-linear ops are rewritten, whose kept branch is the incoming gradient, where a
+non-finite value already means a failed step; a Where that scrubs NaN on purpose (the safe softmax of
+attention's fully masked rows, ``Where(IsNaN(y), 0, y)``) keeps its Where.
 """
 from __future__ import annotations
 
@@ -29,9 +31,24 @@ def _pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
     return None
 
 
+# forward ops whose gradient rule masks the incoming gradient: Where(mask, dy, 0) and its scalings
+_MASKING_RULES = {"Relu", "PRelu", "ThresholdedRelu", "HardSigmoid", "HardSwish", "Shrink", "Clip", "Where"}
+
+
+def _forward_op(view: GraphView, node: onnx.NodeProto) -> str | None:
+    """The op type of the forward node whose gradient ``node`` belongs to (named ``<forward>/grad/...``)."""
+    name = node.name.split("/grad/")[0] if "/grad/" in node.name else None
+    forward = next((n for n in view.nodes if id(n) in view.forward and n.name == name), None)
+    return forward.op_type if forward is not None else None
+
+
 def _check(view: GraphView, m: Match) -> str | None:
     if view.info(m.a).dtype not in FLOAT_TYPES:
         return "the kept branch is not a float tensor of known type"
+    op = _forward_op(view, m.root)
+    if op not in _MASKING_RULES:
+        return (f"the Where belongs to the gradient of {op or 'no known forward node'}, not to a rule that masks "
+                "the incoming gradient: its zero branch may replace a NaN on purpose, which a product keeps")
     return None
 
 
