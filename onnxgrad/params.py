@@ -354,27 +354,32 @@ def _merged_parameters(model: onnx.ModelProto, facts: _ModelFacts) -> list[tuple
     held = _in_graph(model, facts)
     missing = [t for t, kind in facts.kinds.items() if kind == "PARAMETER" and t not in held and t not in inits]
     folded = set(_folded_batch_norms(model, facts))
-    # only a tensor of one value repeated can hold parameters merged by value: random values are never equal
-    values = {i.name: i for i in g.initializer}
-    holders = [name for name in inits if facts.kind(name) == "PARAMETER" and facts.uses.get(name)
-               and _constant_fill(values[name])]
+    # what each initializer holds: a parameter as it is, or one folded one-to-one (a transposed weight)
+    holds = {}
+    for name in inits:
+        if facts.kind(name) == "PARAMETER":
+            holds[name] = facts.torch_name(name)
+        elif facts.folded_from(name) and not _FUNCTION_OF.match(name) and len(facts.parameter_sources(name)) == 1:
+            holds[name] = facts.parameter_sources(name)[0]
     claims: dict[str, tuple[str, tuple]] = {}
     for target in missing:
         module, _, attr = target.rpartition(".")
         if module in folded:
             continue
+        # the nodes of its own module first, else of the modules above it (attention reads its projections)
         for scopes in ({module}, {module.rsplit(".", j)[0] for j in range(1, module.count(".") + 1)}):
             found: dict[str, list[tuple[str, int]]] = {}
-            for holder in holders:
-                own = facts.torch_name(holder).rpartition(".")[0]
-                for node, k in facts.uses[holder]:
+            for holder, parameter in holds.items():
+                own, _, holder_attr = parameter.rpartition(".")
+                if holder_attr != attr:      # merged tensors are equal, so of one kind: a bias for a bias
+                    continue
+                for node, k in facts.uses.get(holder, []):
                     scope = facts.scope(node)
-                    if scope in scopes and scope != own:
+                    if scope in scopes and scope != own and not (own.startswith(f"{scope}.") and scope != module):
                         found.setdefault(holder, []).append((node.name, k))
-            same_attr = [h for h in found if facts.torch_name(h).rpartition(".")[2] == attr]
-            pick = same_attr if len(same_attr) == 1 else list(found) if len(found) == 1 else []
-            if pick:
-                claims[target] = (pick[0], tuple(found[pick[0]]))
+            if len(found) == 1:
+                holder, uses = next(iter(found.items()))
+                claims[target] = (holder, tuple(uses))
                 break
     counted: dict[tuple, int] = {}
     for _, uses in claims.values():
@@ -383,34 +388,41 @@ def _merged_parameters(model: onnx.ModelProto, facts: _ModelFacts) -> list[tuple
     merges += [(target, holder, uses, "parameter") for target, (holder, uses) in claims.items()
                if all(counted[u] == 1 for u in uses)]
     merges += _dropped_biases([t for t in missing if t not in claims and t.rpartition(".")[0] not in folded],
-                              model, facts)
+                              model, facts, claims)
     return merges
 
 
-def _dropped_biases(missing: list[str], model: onnx.ModelProto, facts: _ModelFacts) -> list[tuple]:
+def _dropped_biases(missing: list[str], model: onnx.ModelProto, facts: _ModelFacts,
+                    claims: dict[str, tuple[str, tuple]]) -> list[tuple]:
     """Zero biases the exporter dropped (a Linear's bias of zeros folded away: its Gemm or Conv has no bias
-    input left), as ``(bias, "", ((node, 2), ...), "zeros:<shape>")``: restored as zeros, PyTorch's value."""
+    input left), as ``(bias, "", ((node, 2), ...), "zeros:<shape>")``: restored as zeros, PyTorch's value.
+    The weight is found as it is, folded, or split off a merge (``claims``)."""
     inits = {i.name: i for i in model.graph.initializer}
+    nodes = {n.name: n for n in model.graph.node}
     out = []
     for target in missing:
         module, _, attr = target.rpartition(".")
         if attr != "bias":
             continue
-        weights = {name for name in inits if facts.torch_name(name) == f"{module}.weight"
-                   or facts.parameter_sources(name) == [f"{module}.weight"]}
+        weight = f"{module}.weight"
+        if weight in claims:
+            holder, claimed = claims[weight]
+            reads = [(holder, nodes[n], k) for n, k in claimed]
+        else:
+            reads = [(name, node, k) for name in inits if facts.torch_name(name) == weight
+                     or facts.parameter_sources(name) == [weight] for node, k in facts.uses.get(name, [])]
         uses, shape = [], None
-        for w in weights:
-            for node, k in facts.uses.get(w, []):
-                if k != 1 or node.op_type not in ("Gemm", "Conv") or (len(node.input) > 2 and node.input[2]):
-                    continue
-                dims = list(inits[w].dims)
-                trans_b = any(a.name == "transB" and a.i for a in node.attribute)
-                n = dims[0] if node.op_type == "Conv" or trans_b else dims[-1]
-                if shape not in (None, (n,)):
-                    uses = []
-                    break
-                shape = (n,)
-                uses.append((node.name, 2))
+        for w, node, k in reads:
+            if k != 1 or node.op_type not in ("Gemm", "Conv") or (len(node.input) > 2 and node.input[2]):
+                continue
+            dims = list(inits[w].dims)
+            trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+            n = dims[0] if node.op_type == "Conv" or trans_b else dims[-1]
+            if shape not in (None, (n,)):
+                uses = []
+                break
+            shape = (n,)
+            uses.append((node.name, 2))
         if uses:
             out.append((target, "", tuple(uses), "zeros:" + ",".join(map(str, shape))))
     return out
@@ -484,17 +496,22 @@ def _findings(model: onnx.ModelProto, facts: _ModelFacts, merges: list[tuple[str
                 f"constant '{name}': PyTorch trains the parameter, onnxgrad cannot (training '{name}' instead "
                 f"would be a different update), so it stays as exported; {REEXPORT_HINT}")))
     if not facts.kinds:       # TorchScript: equal-valued parameters of different modules share one initializer
+        shared = []
         for init in g.initializer:
             if init.data_type not in M.FLOAT_TYPES or _GENERATED.match(init.name) or "." not in init.name:
                 continue
             own = init.name.rpartition(".")[0]
-            others = sorted({facts.scope(n) for n, _ in facts.uses.get(init.name, [])} - {own, None})
-            if others and own in {facts.scope(n) for n, _ in facts.uses.get(init.name, [])} and _constant_fill(init):
-                out.append(Finding("merged", (init.name,), (
-                    f"'{init.name}' holds one value repeated and is read by module(s) {', '.join(map(repr, others))} "
-                    f"besides its own: the TorchScript exporter merges parameters of equal values into one "
-                    f"initializer, so PyTorch's separate parameters would train as one (a tied parameter shared on "
-                    f"purpose is fine); {REEXPORT_HINT}")))
+            scopes = {facts.scope(n) for n, _ in facts.uses.get(init.name, [])} - {None}
+            others = sorted(s for s in scopes if s != own and not own.startswith(f"{s}."))
+            if others and own in scopes:
+                shared.append(f"'{init.name}' (also read by {', '.join(map(repr, others[:2]))})")
+        if shared:
+            out.append(Finding("merged", tuple(shared), (
+                f"{len(shared)} initializer(s) are read by other modules besides their own ("
+                + ", ".join(shared[:4]) + (", ..." if len(shared) > 4 else "") + "): the TorchScript exporter "
+                "merges parameters of equal values (zero biases, LayerNorm weights of 1, layers cloned from one "
+                "another) into one initializer, so PyTorch's separate parameters would train as one; TorchScript "
+                f"records no signature to tell them from parameters tied on purpose; {REEXPORT_HINT}")))
     return out
 
 
