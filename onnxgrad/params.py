@@ -88,6 +88,7 @@ class Parameter:
     merged_into: str | None = None    # a parameter the exporter merged into this initializer (equal values)
     merged_uses: tuple[tuple[str, int], ...] = ()   # the (node, input) that read it; restore_ties splits it off
     zeros: tuple[int, ...] | None = None    # a zero bias the exporter dropped: restored as zeros of this shape
+    rows_of: str | None = None        # the rows a folded Expand/Gather repeated: restore_ties expands them
 
     def line(self) -> str:
         torch = f" (PyTorch '{self.torch_name}')" if self.torch_name and self.torch_name != self.name else ""
@@ -192,7 +193,12 @@ def parameters(
     decisions = _break_ties(decisions, facts, {i.name: i for i in floats})
     by_name = {p.name: p for p in decisions}
     split = [_split_off(target, by_name.get(holder), uses, what, set(frozen)) for target, holder, uses, what in merges]
-    return ParameterReport(decisions + split, what, _findings(model, facts, merges))
+    rows = [Parameter(p.tied_to, p.tied_to not in set(frozen), "frozen" if p.tied_to in set(frozen) else
+                      f"the rows of PyTorch parameter '{p.torch_name}' that the exporter's folded '{p.name}' repeats "
+                      "(restored as an Expand of them)", p.torch_name, rows_of=p.name)
+            for p in decisions if p.tie_op == "Expand"]
+    decisions += split + rows
+    return ParameterReport(decisions, what, _findings(model, facts, merges, decisions))
 
 
 def recorded_torch_names(model: onnx.ModelProto) -> dict[str, str]:
@@ -451,11 +457,18 @@ def _split_off(target: str, holder: Parameter | None, uses: tuple, what: str, fr
     return Parameter(target, holder.trainable, reason, target, merged_into=holder.name, merged_uses=uses)
 
 
-def _findings(model: onnx.ModelProto, facts: _ModelFacts, merges: list[tuple[str, str, tuple, str]]
-              ) -> list[Finding]:
+def _findings(model: onnx.ModelProto, facts: _ModelFacts, merges: list[tuple[str, str, tuple, str]],
+              decisions: list[Parameter]) -> list[Finding]:
     """What the exporter did that training cannot take back, each with the way out."""
     g = model.graph
     out = []
+    copies = [p for p in decisions if not p.trainable and p.torch_name and not p.tied_to and not p.merged_into
+              and ("repeats elements" in p.reason or "second copy" in p.reason)]
+    if copies:
+        out.append(Finding("copy_left_out", tuple(p.name for p in copies), (
+            "the exporter folded copies of PyTorch parameters that onnxgrad cannot train as the parameter ("
+            + ", ".join(f"'{p.name}' of '{p.torch_name}'" for p in copies[:4]) + (", ..." if len(copies) > 4 else "")
+            + "): PyTorch trains the parameter through them, onnxgrad leaves them as exported; " + REEXPORT_HINT)))
     folded = _folded_batch_norms(model, facts)
     if folded:
         # the fused convolution's weight keeps the parameter's name but lost its own metadata
@@ -566,12 +579,35 @@ def _decide_folded(init: onnx.TensorProto, facts: _ModelFacts, sources: list[str
                          f"into this constant ('{init.name}'): training it would not update '{torch_name}' as "
                          f"PyTorch does, so it is not trained; {NO_FOLDING_HINT}", torch_name)
     if _repeats_elements(init):
+        if _broadcast_axes(init):
+            return Parameter(init.name, False, f"a folded copy that repeats rows of PyTorch parameter "
+                             f"'{torch_name}' (a Gather or Expand of it): computed from those rows "
+                             f"('{init.name}.rows'), trained once, so that their gradient sums every use, as "
+                             "PyTorch's", torch_name,
+                             tied_to=f"{init.name}.rows", tie_op="Expand")
         return Parameter(init.name, False, f"a folded copy that repeats elements of PyTorch parameter "
                          f"'{torch_name}' (a Gather or Expand of it): training the copy separately would break "
                          f"the tie between its elements; {NO_FOLDING_HINT}", torch_name)
     how = "transposed or cast" if len(sources) == 1 else "reshaped or sliced"
     return Parameter(init.name, True, f"PyTorch parameter '{torch_name}' as the exporter folded it ({how})",
                      torch_name)
+
+
+def _broadcast_axes(init: onnx.TensorProto) -> tuple[int, ...]:
+    """The axes along which every slice equals the first (a folded Expand, or a Gather of one row): the
+    tensor is its first slice along them, broadcast. Empty when it is not."""
+    values = numpy_helper.to_array(init)
+    axes = tuple(a for a in range(values.ndim) if values.shape[a] > 1
+                 and bool((values == values.take([0], axis=a)).all()))
+    return axes if axes and values.size > 1 else ()
+
+
+def _rows(init: onnx.TensorProto) -> np.ndarray:
+    """The first slice along every broadcast axis of a folded Expand (kept as size-1 axes)."""
+    values = numpy_helper.to_array(init)
+    for a in _broadcast_axes(init):
+        values = values.take([0], axis=a)
+    return np.ascontiguousarray(values)
 
 
 def _repeats_elements(init: onnx.TensorProto) -> bool:
@@ -718,6 +754,7 @@ def restore_ties(model: onnx.ModelProto, report: ParameterReport, ties: bool = T
     computed from it (a Transpose or Reshape node; ``ties=False`` leaves them), so that training updates
     both as one parameter and its gradient sums both uses, as in PyTorch; and every tensor the exporter
     merged into another initializer by value has its own tensor again, read by its own nodes."""
+    rows = [p for p in report if p.rows_of] if ties else []
     ties = [p for p in report if p.tied_to] if ties else []
     merged = [p for p in report if p.merged_into or p.zeros is not None]
     if not ties and not merged:
@@ -746,11 +783,17 @@ def restore_ties(model: onnx.ModelProto, report: ParameterReport, ties: bool = T
             while len(nodes[node].input) <= k:
                 nodes[node].input.append("")
             nodes[node].input[k] = p.name
+    for p in rows:
+        g.initializer.add().CopyFrom(numpy_helper.from_array(_rows(holders[p.rows_of]), p.name))
     M.keep_only(g.initializer, lambda t: t.name not in tied)
     nodes = []
     for p in ties:
         scope = f"{p.name}/tie"
-        if p.tie_op == "Transpose":
+        if p.tie_op == "Expand":
+            shape = f"{scope}/shape"
+            g.initializer.add().CopyFrom(numpy_helper.from_array(np.array(dims[p.name], np.int64), shape))
+            nodes.append(onnx.helper.make_node("Expand", [p.tied_to, shape], [p.name], name=scope))
+        elif p.tie_op == "Transpose":
             nodes.append(onnx.helper.make_node("Transpose", [p.tied_to], [p.name], name=scope, perm=[1, 0]))
         else:
             shape = f"{scope}/shape"

@@ -19,7 +19,7 @@ import onnxgrad
 from onnxgrad import TrainingSession, losses, optim
 from onnxgrad.cli import main as cli_main
 from onnxgrad.errors import OnnxGradError, UnusedError
-from onnxgrad.params import parameters
+from onnxgrad.params import parameters, restore_ties
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 EXPORTED = sorted(p.stem for p in MODELS.glob("*.npz"))
@@ -110,8 +110,9 @@ def test_a_weight_behind_an_integer_cast_is_not_a_parameter_and_a_cut_wrt_is_unu
 
 
 def test_folded_copies_that_repeat_a_parameter_are_not_trained_silently():
-    """dynamo metadata: a folded Expand of a class token repeats its elements, and a row-permuted second
-    copy of a weight would break the tie: both are left out with the reason; a transposed copy is tied back."""
+    """dynamo metadata: a folded Expand of a class token repeats its row: the row trains once and is expanded
+    in the graph (its gradient sums every use, as PyTorch's); a row-permuted second copy of a weight would break
+    the tie: it is left out with the reason and a warning; a transposed copy is tied back."""
     rng = np.random.default_rng(1)
     token = rng.standard_normal((1, 3))
     weight = rng.standard_normal((3, 3))
@@ -132,9 +133,13 @@ def test_folded_copies_that_repeat_a_parameter_are_not_trained_silently():
         key="pkg.torch.export.ExportedProgram.graph_signature",
         value="# inputs\np_cls_token: PARAMETER target='cls_token'\np_w: PARAMETER target='w'\nx: USER_INPUT\n")
     report = parameters(model)
-    assert report.trainable == ["w"]
-    assert "repeats elements" in report["cls_expanded"].reason and "optimize=False" in report["cls_expanded"].reason
-    assert report["cls_expanded"].torch_name == "cls_token"
+    assert report.trainable == ["w", "cls_expanded.rows"]
+    assert report["cls_expanded"].tied_to == "cls_expanded.rows" and report["cls_expanded"].tie_op == "Expand"
+    assert report["cls_expanded.rows"].torch_name == "cls_token"
+    np.testing.assert_array_equal(numpy_helper.to_array(next(
+        i for i in restore_ties(model, report).graph.initializer if i.name == "cls_expanded.rows")),
+        token.astype(np.float32))
+    assert [f.kind for f in report.findings] == ["copy_left_out"] and "w_rows" in report.findings[0].tensors
     assert "tie holds" in report["w_t"].reason and report["w_t"].tied_to == "w"      # restored as Transpose(w)
     assert "second copy" in report["w_rows"].reason and "break their tie" in report["w_rows"].reason
 
