@@ -585,10 +585,43 @@ def test_training_model_runs_in_plain_onnxruntime_and_matches_the_session():
         assert not {i.name for i in m.graph.initializer} & {i.name for i in m.graph.input}
 
 
+@pytest.mark.parametrize("path, predictions, target, data", [
+    (FIXTURES / "mlp.onnx", "logits", "y", lambda k: batch(k)),
+    (ROOT / "models" / "cnn_bn_dynamo.onnx", "y", "label",      # BatchNormalization: running statistics too
+     lambda k: {"x": np.random.default_rng(k).standard_normal((2, 3, 16, 16)).astype(np.float32),
+                "label": np.random.default_rng(k).integers(0, 5, 2).astype(np.int64)}),
+], ids=["mlp", "cnn_bn"])
+def test_written_artifacts_fed_their_next_outputs_back_train_as_the_session(tmp_path, capsys, path, predictions,
+                                                                             target, data):
+    """The README's loop, word for word: start from model.train.init.npz and feed every ``<name>.next`` output
+    back as ``<name>`` (``step`` included: AdamW's bias correction reads it), nothing else."""
+    model = tmp_path / "model.onnx"
+    onnx.save(onnx.load(path), model)
+    assert cli_main([str(model), "--loss-fn", "cross_entropy", "--predictions", predictions, "--target", target,
+                     "--optimizer", "adamw", "--lr", "0.01", "--optimize-for", "cpu"]) == 0      # as the session runs
+    capsys.readouterr()
+    sess = ort.InferenceSession(str(tmp_path / "model.train.onnx"), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    state = dict(np.load(tmp_path / "model.train.init.npz"))
+    losses_fed = []
+    for k in range(5):
+        out = dict(zip(names, sess.run(None, {**data(k), **state})))
+        losses_fed.append(float(out["loss"]))
+        state.update({name[:-len(".next")]: value for name, value in out.items() if name.endswith(".next")})
+    assert int(state["step"]) == 6
+    s = TrainingSession(onnx.load(path), loss=losses.CrossEntropyLoss(output=predictions, target=target),
+                        optimizer=optim.AdamW(lr=0.01))
+    expected = [s.step(data(k)) for k in range(5)]
+    np.testing.assert_allclose(losses_fed, expected, rtol=0, atol=1e-5)
+    for name, value in {**s.parameters(), **s.buffers()}.items():
+        np.testing.assert_allclose(state[name], value, rtol=0, atol=1e-6, err_msg=name)
+
+
 def test_guarded_training_model_keeps_old_values_on_nan():
     art = artifacts.build(mlp_model(), ce(), optim.SGD(lr=0.1, momentum=0.9))
     results, carried = run_guarded(art.train, [poisoned()], 0.1, art.initial_values())
     assert not bool(results[0]["finite"])
+    assert int(results[0][art.spec.step_next]) == 1          # a step not applied is not counted (Adam's bias)
     for p in art.spec.params:
         np.testing.assert_array_equal(carried[p], art.initial_params[p])
 
