@@ -281,6 +281,26 @@ def test_feeds_are_checked_and_coerced():
     assert s.step_count == 1
 
 
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_class_labels_out_of_range_are_refused_before_the_run(accumulation_steps):
+    """A label outside [0, C) would give onnxruntime's "Out of range" (or a NaN gradient on another provider):
+    step and eval say which label, where, and C, and change nothing."""
+    s = session(accumulation_steps=accumulation_steps)
+    start = s.parameters()
+    y = np.array(DATA["y"][0][:2])
+    y[1] = 7
+    with pytest.raises(losses.LabelError, match=r"^step: target 7 is out of bounds: the label at position \[1\] of "
+                       r"'y' is neither in \[0, 3\) \(cross_entropy over 3 classes of 'logits'\) nor ignore_index"):
+        s.step({"x": DATA["x"][0][:2], "y": y})
+    with pytest.raises(losses.LabelError, match=r"^eval: target 7 is out of bounds"):
+        s.eval({"x": DATA["x"][0][:2], "y": y})
+    y[1] = -100                                     # ignore_index counts for nothing, as in PyTorch
+    for _ in range(accumulation_steps):
+        s.step({"x": DATA["x"][0][:2], "y": y})
+    assert s.step_count == 1 and all(np.isfinite(v).all() for v in s.parameters().values())
+    assert any(not np.array_equal(v, start[k]) for k, v in s.parameters().items())
+
+
 @pytest.mark.parametrize("make, error, words", [
     (lambda: TrainingSession(mlp_model(), loss="nope"), onnxgrad.UnknownNameError, "not an output"),
     (lambda: TrainingSession(mlp_model(), loss=ce(), frozen=["W"]), onnxgrad.UnknownNameError, "not float"),
