@@ -48,6 +48,7 @@ from .autodiff import grad, gradient_spec
 from .builder import Builder, NameScope, TensorInfo, Var
 from .errors import OnnxGradError, UnknownNameError
 from .files import HELD, copy_model, is_held, stripped
+from .losses import CLASS_TARGETS_KEY
 from .optim import AdamW, Optimizer, UpdateContext
 from .params import ParameterReport, parameters, restore_ties
 from .train_mode import to_eval_mode, to_train_mode
@@ -475,9 +476,10 @@ class _Builder:
         for t in g.initializer:        # the defaults: the values build() held aside
             if is_held(t):
                 t.CopyFrom(numpy_helper.from_array(self.initial[t.name], t.name))
-        del m.metadata_props[:]         # the gradient model's own keys, but what its nodes still are
+        del m.metadata_props[:]         # the gradient model's own keys, but what its nodes and inputs still are
         m.metadata_props.extend(p for p in self.gm.metadata_props if not p.key.startswith("onnxgrad.")
-                                or p.key in ("onnxgrad.target", "onnxgrad.rewrites", "onnxgrad.recomputed"))
+                                or p.key in ("onnxgrad.target", "onnxgrad.rewrites", "onnxgrad.recomputed",
+                                             CLASS_TARGETS_KEY))
         taken = ({i.name for i in g.input} | {i.name for i in g.initializer} | {o.name for o in g.output}
                  | {o for n in g.node for o in n.output} | {n.name for n in g.node})
         names = NameScope(taken)

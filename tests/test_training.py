@@ -629,11 +629,45 @@ def test_written_artifacts_fed_their_next_outputs_back_train_as_the_session(tmp_
         losses_fed.append(float(out["loss"]))
         state.update({name[:-len(".next")]: value for name, value in out.items() if name.endswith(".next")})
     assert int(state["step"]) == 6
+    # the written model records its class labels, for a loop of one's own to check a batch before a run
+    [labels] = losses.class_targets(onnx.load(tmp_path / "model.train.onnx"))
+    assert (labels.target, labels.ignore_index) == (target, -100)
+    with pytest.raises(losses.LabelError, match=f"target {labels.classes} is out of bounds"):
+        losses.check_labels([labels], {target: np.full(2, labels.classes)})
     s = TrainingSession(onnx.load(path), loss=losses.CrossEntropyLoss(output=predictions, target=target),
                         optimizer=optim.AdamW(lr=0.01))
     expected = [s.step(data(k)) for k in range(5)]
     np.testing.assert_allclose(losses_fed, expected, rtol=0, atol=1e-5)
     for name, value in {**s.parameters(), **s.buffers()}.items():
+        np.testing.assert_allclose(state[name], value, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_written_accumulation_artifacts_follow_the_readme_loop(tmp_path, capsys):
+    """--accumulation-steps 2: the accumulate model on the first micro-batch, the train model on the second,
+    every ``.next`` fed back, the sums from zeros again after each update: TrainingSession's updates."""
+    model = tmp_path / "mlp.onnx"
+    onnx.save(mlp_model(), model)
+    assert cli_main([str(model), "--loss-fn", "cross_entropy", "--target", "y", "--optimizer", "adamw", "--lr",
+                     "0.01", "--accumulation-steps", "2", "--optimize-for", "cpu"]) == 0
+    capsys.readouterr()
+    runs = {stem: ort.InferenceSession(str(tmp_path / f"mlp.{stem}.onnx"), providers=["CPUExecutionProvider"])
+            for stem in ("accumulate", "train")}
+    state = dict(np.load(tmp_path / "mlp.train.init.npz"))
+    zeros = {k: v for k, v in state.items() if k.endswith(".grad_acc")}
+    for k in range(3):
+        for stem, half in (("accumulate", slice(0, 2)), ("train", slice(2, 4))):
+            sess = runs[stem]
+            feeds = {"x": DATA["x"][k][half], "y": DATA["y"][k][half], **state}
+            out = dict(zip([o.name for o in sess.get_outputs()],
+                           sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})))
+            state.update({name[:-len(".next")]: v for name, v in out.items() if name.endswith(".next")})
+        state.update(zeros)
+    s = session(accumulation_steps=2)
+    for k in range(3):
+        for half in (slice(0, 2), slice(2, 4)):
+            s.step({"x": DATA["x"][k][half], "y": DATA["y"][k][half]})
+    assert int(state["step"]) == s.step_count + 1 == 4
+    for name, value in s.parameters().items():
         np.testing.assert_allclose(state[name], value, rtol=0, atol=1e-6, err_msg=name)
 
 
