@@ -282,7 +282,7 @@ def test_feeds_are_checked_and_coerced():
 
 
 @pytest.mark.parametrize("accumulation_steps", [1, 2])
-def test_class_labels_out_of_range_are_refused_before_the_run(accumulation_steps):
+def test_class_labels_out_of_range_are_refused_before_the_run(accumulation_steps, tmp_path):
     """A label outside [0, C) would give onnxruntime's "Out of range" (or a NaN gradient on another provider):
     step and eval say which label, where, and C, and change nothing."""
     s = session(accumulation_steps=accumulation_steps)
@@ -299,6 +299,10 @@ def test_class_labels_out_of_range_are_refused_before_the_run(accumulation_steps
         s.step({"x": DATA["x"][0][:2], "y": y})
     assert s.step_count == 1 and all(np.isfinite(v).all() for v in s.parameters().values())
     assert any(not np.array_equal(v, start[k]) for k, v in s.parameters().items())
+    s.save(tmp_path / "ckpt.npz")                   # a resumed session checks as well
+    y[0] = 3
+    with pytest.raises(losses.LabelError, match=r"^step: target 3 is out of bounds: the label at position \[0\]"):
+        TrainingSession.load(tmp_path / "ckpt.npz").step({"x": DATA["x"][0][:2], "y": y})
 
 
 @pytest.mark.parametrize("make, error, words", [
