@@ -8,8 +8,9 @@ from :mod:`onnxgrad.losses`) into
   ``step`` (int64 scalar, 1 for the first update), every trainable parameter
   under its own name, and the optimizer state ``<param>.<state>``. Outputs:
   ``loss``, ``finite`` (bool: loss and gradients are all finite), ``grad_norm``
-  (global L2 norm of the gradients, before clipping), ``<param>.next`` and
-  ``<param>.<state>.next``: feed them back as the next step's inputs.
+  (global L2 norm of the gradients, before clipping), ``<param>.next``,
+  ``<param>.<state>.next`` and ``step.next`` (``step + 1``; ``step`` when a guarded
+  update was not applied): feed every ``<name>.next`` back as ``<name>``.
 - ``eval``: the forward outputs, with the trainable parameters as inputs.
 - ``accumulate`` (``accumulation_steps > 1``): forward + backward of one
   micro-batch, adding its gradients to ``<param>.grad_acc`` (``.next`` out).
@@ -48,6 +49,7 @@ from .autodiff import grad, gradient_spec
 from .builder import Builder, NameScope, TensorInfo, Var
 from .errors import ExportFoldedError, ExportWarning, OnnxGradError, UnknownNameError
 from .files import HELD, copy_model, is_held, stripped
+from .losses import CLASS_TARGETS_KEY
 from .optim import AdamW, Optimizer, UpdateContext
 from .params import ParameterReport, parameters, restore_ties
 from .train_mode import to_eval_mode, to_train_mode
@@ -83,6 +85,7 @@ class TrainingSpec:
     recompute: bool = False                      # the backward recomputes activations (onnxgrad.recompute)
     # parameter -> state -> factor: the graph holds PyTorch's value times it (optim.Optimizer.state_scale)
     state_scale: dict[str, dict[str, float]] = field(default_factory=dict)
+    step_next: str = ""                          # the output to feed back as ``step`` (empty: accumulation)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -351,6 +354,7 @@ class _Builder:
         final = e.finish(m)
         spec = TrainingSpec(
             loss=self.loss, lr="" if accumulate else lr.name, step="" if accumulate else step.name,
+            step_next="" if accumulate else final[f"{step.name}.next"],
             finite=final["finite"], grad_norm="" if accumulate else final["grad_norm"],
             data_inputs=data_inputs,
             params={p: ("" if accumulate else final[f"{p}.next"]) for p in self.params},
@@ -464,7 +468,8 @@ class _Builder:
         lr, step, state_names = self._update(e, grads, sumsq, finite)
         final = e.finish(m)
         spec = TrainingSpec(
-            loss=final[self.loss], lr=lr.name, step=step.name, finite=final["finite"], grad_norm=final["grad_norm"],
+            loss=final[self.loss], lr=lr.name, step=step.name, step_next=final[f"{step.name}.next"],
+            finite=final["finite"], grad_norm=final["grad_norm"],
             data_inputs=[], params={p: final[f"{p}.next"] for p in self.params},
             state={p: {s: [i, final[o]] for s, (i, o) in st.items()} for p, st in state_names.items()},
             accumulators={}, frozen=list(self.frozen), optimizer=self.optimizer.config(), clip_grad_norm=self.clip,
@@ -483,9 +488,10 @@ class _Builder:
         for t in g.initializer:        # the defaults: the values build() held aside
             if is_held(t):
                 t.CopyFrom(numpy_helper.from_array(self.initial[t.name], t.name))
-        del m.metadata_props[:]         # the gradient model's own keys, but what its nodes still are
+        del m.metadata_props[:]         # the gradient model's own keys, but what its nodes and inputs still are
         m.metadata_props.extend(p for p in self.gm.metadata_props if not p.key.startswith("onnxgrad.")
-                                or p.key in ("onnxgrad.target", "onnxgrad.rewrites", "onnxgrad.recomputed"))
+                                or p.key in ("onnxgrad.target", "onnxgrad.rewrites", "onnxgrad.recomputed",
+                                             CLASS_TARGETS_KEY))
         taken = ({i.name for i in g.input} | {i.name for i in g.initializer} | {o.name for o in g.output}
                  | {o for n in g.node for o in n.output} | {n.name for n in g.node})
         names = NameScope(taken)
@@ -569,6 +575,11 @@ class _Builder:
                 updated.append((v, state[s], out, self.dtypes[p], self.shapes[p],
                                 f"'{state[s].name}' after the update"))
                 state_names[p][s] = [state[s].name, out]
+        # the count of applied updates, fed back as the other state is: Adam's bias correction reads it
+        sb = b.scoped("train/step", "number of the next update")
+        next_step = sb.op.Add(step, sb.const(np.array(1, np.int64)))
+        updated.append((next_step, step, f"{step.name}.next", TensorProto.INT64, (),
+                        f"'{step.name}' for the next update: one more when this update was applied"))
         new_values = [u[0] for u in updated]
         if self.guard:
             new_values = _guarded(ob, first, finite, [(u[0], u[1], u[3], u[4]) for u in updated])

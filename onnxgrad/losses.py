@@ -26,8 +26,10 @@ function             loss (before reduction), PyTorch's ``torch.nn.functional`` 
 """
 from __future__ import annotations
 
+import json
 import os
-from typing import Any, Callable, Sequence, Union
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import numpy as np
 import onnx
@@ -51,14 +53,75 @@ __all__ = [
     "binary_cross_entropy_with_logits",
     "LOSSES",
     "LOSS_CLASSES",
+    "ClassTarget",
+    "LabelError",
+    "class_targets",
+    "check_labels",
 ]
 
 REDUCTIONS = ("mean", "sum", "none")
 ModelLike = Union[onnx.ModelProto, str, os.PathLike]
 
 
+CLASS_TARGETS_KEY = "onnxgrad.class_targets"    # model metadata: the inputs that hold class indices (JSON list)
+
+
 class LossError(OnnxGradError):
     """A loss cannot be appended: bad option, or predictions of a shape or type the loss cannot take."""
+
+
+class LabelError(OnnxGradError):
+    """A class label given to a loss is outside ``[0, C)`` and is not its ``ignore_index``."""
+
+
+@dataclass(frozen=True)
+class ClassTarget:
+    """An input of class indices that a loss reads: every label must be in ``[0, classes)`` or ``ignore_index``.
+
+    ``classes`` is None when the predictions' class dimension is not fixed in the model; then only
+    negative labels can be told apart from valid ones before a run."""
+
+    target: str
+    classes: int | None
+    ignore_index: int
+    kind: str           # the loss function: cross_entropy, nll_loss
+    output: str         # the predictions it reads
+
+    def check(self, labels: np.ndarray, what: str = "") -> None:
+        """Raise :class:`LabelError` naming the first label out of bounds, its position and C, as PyTorch's
+        "Target 7 is out of bounds." does (an onnxruntime run would fail with "Out of range" or give NaN)."""
+        labels = np.asarray(labels)
+        if labels.dtype.kind not in "iu":
+            return
+        bad = (labels < 0) if self.classes is None else ((labels < 0) | (labels >= self.classes))
+        bad &= labels != self.ignore_index
+        if not bad.any():
+            return
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        value = int(labels[where])
+        count = int(bad.sum())
+        bounds = f"[0, {self.classes})" if self.classes is not None else "[0, C)"
+        classes = f"{self.classes} classes" if self.classes is not None else "the classes"
+        raise LabelError(f"{what + ': ' if what else ''}target {value} is out of bounds: the label at position "
+                         f"{list(where)} of '{self.target}'"
+                         + (f" (and {count - 1} more label(s) there)" if count > 1 else "")
+                         + f" is neither in {bounds} ({self.kind} over {classes} of '{self.output}') nor "
+                         f"ignore_index ({self.ignore_index}); fix the labels, or the model's number of classes")
+
+
+def class_targets(model: onnx.ModelProto) -> list[ClassTarget]:
+    """The class-index inputs that the losses appended by this module to ``model`` read (its metadata)."""
+    for p in model.metadata_props:
+        if p.key == CLASS_TARGETS_KEY:
+            return [ClassTarget(**entry) for entry in json.loads(p.value)]
+    return []
+
+
+def check_labels(targets: Sequence[ClassTarget], feeds: Mapping[str, Any], what: str = "") -> None:
+    """Check the labels among ``feeds`` (host arrays) against the losses' class counts before a run."""
+    for t in targets:
+        if t.target in feeds:
+            t.check(np.asarray(feeds[t.target]), what)
 
 
 # -- the public functions -----------------------------------------------------------------
@@ -107,7 +170,7 @@ def cross_entropy(model: ModelLike, output: str | None = None, target: str = "ta
 
         return a.finish(build, reduction)
 
-    a.index_target()
+    a.index_target(ignore_index)
 
     def build(a: _Appender, x: Var, t: Var) -> Var:
         if not label_smoothing:
@@ -127,7 +190,7 @@ def nll_loss(model: ModelLike, output: str | None = None, target: str = "target"
     a = _Appender(model, output, target, loss, "nll_loss")
     a.need_class_dim()
     w = a.class_weight(weight)
-    a.index_target()
+    a.index_target(ignore_index)
     return a.finish(lambda a, x, t: a.b.op.NegativeLogLikelihoodLoss(
         x, t, *_given(w), reduction=reduction, ignore_index=ignore_index), reduction)
 
@@ -285,6 +348,7 @@ class _Appender:
                          prefix=f"{loss}/{kind}", doc=f"{kind} of '{output}' against '{target}'")
         self.target_vi: onnx.ValueInfoProto | None = None
         self.unreduced: list | None = None   # dims of the loss under reduction="none"
+        self.class_target: ClassTarget | None = None
 
     # -- the target input ------------------------------------------------------------------
     def same_shape_target(self) -> "_Appender":
@@ -299,8 +363,10 @@ class _Appender:
         self.unreduced = _dims(vi)
         return self
 
-    def index_target(self) -> "_Appender":
-        """int64 class indices: the predictions' shape without the class dimension (dim 1)."""
+    def index_target(self, ignore_index: int) -> "_Appender":
+        """int64 class indices: the predictions' shape without the class dimension (dim 1); recorded in the
+        metadata with C and ``ignore_index``, so that labels can be checked before a run (:func:`check_labels`)."""
+        self.class_target = ClassTarget(self.target, self.n_classes(), int(ignore_index), self.kind, self.output)
         vi = helper.make_tensor_value_info(self.target, TensorProto.INT64, None)
         shape = None
         if self.x_type is not None and self.x_type.tensor_type.HasField("shape"):
@@ -381,6 +447,9 @@ class _Appender:
             g.output.append(vi)
         else:
             g.output.append(helper.make_tensor_value_info(self.loss, self.dtype, []))
+        if self.class_target is not None:
+            recorded = [asdict(t) for t in class_targets(self.model)] + [asdict(self.class_target)]
+            M.set_metadata(self.model, {CLASS_TARGETS_KEY: json.dumps(recorded)})
         self.model.ir_version = M.emitted_ir_version(self.model)
         return self.model
 

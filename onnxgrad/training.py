@@ -43,6 +43,7 @@ from onnx import helper, numpy_helper
 
 from . import artifacts as A
 from . import distributed as D
+from . import losses as L
 from .errors import OnnxGradError, UnknownNameError
 from .files import NO_DATA, atomic_write, runnable, save_model, stripped
 from .optim import Optimizer, from_config
@@ -169,6 +170,7 @@ class TrainingSession:
                                  strict_tags=strict_tags, split=self.world_size > 1,
                                  target=target_for(self._providers), recompute=recompute)
         self._explicit = trainable is not None
+        self._class_targets = L.class_targets(self.artifacts.loss_model)   # labels checked before each run
         self._strict_tags = strict_tags
         self._split = self.artifacts.split
         spec = self._split.spec if self._split else self.artifacts.spec
@@ -785,6 +787,7 @@ class TrainingSession:
         out = {}
         for n in names:
             out[n] = self._coerce(n, feeds[n])
+        L.check_labels(self._class_targets, out, what)
         return out
 
     def _coerce(self, name: str, value: Any) -> np.ndarray:

@@ -146,3 +146,51 @@ def test_ops_cases_without_the_test_harness_is_one_clear_error(tmp_path, monkeyp
     with pytest.raises(OnnxGradError, match=r"test harness \(tests/backend_cases.py\).*source checkout"):
         cli.run_ops(["--cases"])
     assert cli.run_ops([]) == 0 and "ai.onnx ops:" in capsys.readouterr().out
+
+
+def _bert_embeddings(buffer: int) -> onnx.ModelProto:
+    """BERT's embeddings as the exporters write them: its ``token_type_ids`` buffer (1, ``buffer``) read by
+    GatherElements at the 32 ``position_ids``, then the type embedding; an Erf (GELU's), which onnxruntime
+    has no float64 kernel for, puts the float64 check in onnx.reference."""
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((50, 8)).astype(np.float32), "word_embeddings.weight"),
+             numpy_helper.from_array(rng.standard_normal((2, 8)).astype(np.float32), "token_type_embeddings.weight"),
+             numpy_helper.from_array(np.zeros((1, buffer), np.int64), "token_type_ids"),
+             numpy_helper.from_array(np.arange(32, dtype=np.int64)[None], "position_ids")]
+    nodes = [helper.make_node("Gather", ["word_embeddings.weight", "input_ids"], ["words"], name="words"),
+             helper.make_node("GatherElements", ["token_type_ids", "position_ids"], ["types"], axis=1,
+                              name="buffered_token_type_ids"),
+             helper.make_node("Gather", ["token_type_embeddings.weight", "types"], ["type_emb"], name="types"),
+             helper.make_node("Add", ["words", "type_emb"], ["h"], name="add"),
+             helper.make_node("Erf", ["h"], ["e"], name="erf"),
+             helper.make_node("ReduceSumSquare", ["e"], ["loss"], keepdims=0, name="loss")]
+    g = helper.make_graph(nodes, "bert_embeddings", [helper.make_tensor_value_info("input_ids", TensorProto.INT64,
+                                                                                   [1, 32])],
+                          [helper.make_tensor_value_info("loss", F, [])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    onnx.checker.check_model(m, full_check=True)
+    return m
+
+
+def test_check_runs_bert_embeddings_in_onnx_reference(tmp_path):
+    """onnx.reference's GatherElements failed on BERT: "cannot reshape array of size 1 into shape (1,32)"."""
+    path = tmp_path / "bert.onnx"
+    onnx.save(_bert_embeddings(512), path)
+    r = cli(path, "--loss", "loss", "--check")
+    assert r.returncode == 0, r.stderr
+    assert "numeric check (reference float64" in r.stdout
+    for name in ("word_embeddings.weight_grad", "token_type_embeddings.weight_grad"):
+        error = float(r.stdout.split(f"{name}: worst relative error ")[1].split()[0])
+        assert error < 1e-4, r.stdout
+
+
+def test_check_names_the_node_onnx_reference_cannot_evaluate(tmp_path):
+    """A buffer too short for the positions: onnxruntime refuses the model too, but the check says where."""
+    path = tmp_path / "bert.onnx"
+    onnx.save(_bert_embeddings(16), path)
+    r = cli(path, "--loss", "loss", "--check")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.startswith("error: --check could not run the model on random inputs: onnx.reference cannot "
+                               "evaluate node 'buffered_token_type_ids' (GatherElements)"), r.stderr
+    assert not (tmp_path / "bert.grad.onnx").exists()

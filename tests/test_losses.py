@@ -240,3 +240,69 @@ def test_predictions_must_be_batched_and_float():
     two.graph.output.append(helper.make_tensor_value_info("x", F, [4, 5]))
     with pytest.raises(onnxgrad.UnknownNameError, match="name the predictions"):
         losses.mse_loss(two)
+
+
+# -- class labels out of range: one clear error before a run, as PyTorch's "Target 7 is out of bounds." ---------
+LABEL_CASES = [   # (loss, options, labels, first bad label or None, its position)
+    (losses.cross_entropy, {}, [0, 7, 1, 2], 7, [1]),
+    (losses.cross_entropy, {}, [0, 5, 1, 2], 5, [1]),                       # C itself
+    (losses.cross_entropy, {}, [0, -3, 1, 9], -3, [1]),                     # negative, and a second bad one
+    (losses.cross_entropy, {}, [0, -100, 4, 2], None, None),                # the default ignore_index
+    (losses.cross_entropy, {"ignore_index": 9}, [9, 0, 1, 4], None, None),  # an ignore_index >= C is ignored
+    (losses.cross_entropy, {"ignore_index": 2}, [0, -100, 1, 2], -100, [1]),
+    (losses.cross_entropy, {"label_smoothing": 0.1}, [0, 1, 6, 2], 6, [2]),
+    (losses.nll_loss, {}, [0, 1, 2, 8], 8, [3]),
+    (losses.nll_loss, {"ignore_index": -1}, [-1, 0, 1, 2], None, None),
+]
+
+
+@pytest.mark.parametrize("loss, options, labels, bad, where", LABEL_CASES)
+def test_labels_are_checked_against_the_recorded_class_count(loss, options, labels, bad, where):
+    m = loss(forward([4, 5]), output="logits", target="t", **options)
+    [target] = losses.class_targets(m)
+    assert (target.target, target.classes, target.output) == ("t", 5, "logits")
+    assert target.ignore_index == options.get("ignore_index", -100)
+    labels = np.array(labels, np.int64)
+    if bad is None:
+        losses.check_labels([target], {"t": labels}, "step")
+        assert np.isfinite(run(m, {"x": RNG.standard_normal((4, 5)).astype(np.float32), "t": labels}))
+        return
+    with pytest.raises(losses.LabelError) as e:
+        losses.check_labels([target], {"t": labels}, "step")
+    assert isinstance(e.value, onnxgrad.OnnxGradError)
+    text = str(e.value)
+    assert text.startswith(f"step: target {bad} is out of bounds: the label at position {where} of 't'")
+    assert "[0, 5)" in text and f"ignore_index ({target.ignore_index})" in text
+
+
+def test_label_check_of_a_loss_over_spatial_targets_and_an_unknown_class_count():
+    m = losses.cross_entropy(forward([2, 3, 4]), output="logits", target="t")
+    labels = np.zeros((2, 4), np.int64)
+    labels[1, 2] = 3
+    with pytest.raises(losses.LabelError, match=r"target 3 is out of bounds: the label at position \[1, 2\]"):
+        losses.check_labels(losses.class_targets(m), {"t": labels})
+    # the class dimension not fixed in the model: only a negative label is known to be wrong before a run
+    dynamic = losses.cross_entropy(forward([2, 3], dims=["N", "C"]), output="logits", target="t")
+    [target] = losses.class_targets(dynamic)
+    assert target.classes is None
+    target.check(np.array([0, 99]))
+    with pytest.raises(losses.LabelError, match=r"target -2 is out of bounds.*\[0, C\)"):
+        target.check(np.array([0, -2]))
+    # two losses appended to one model: both are recorded
+    both = losses.nll_loss(losses.cross_entropy(forward([4, 5]), output="logits", target="t"),
+                           output="logits", target="u", loss="nll")
+    assert [t.target for t in losses.class_targets(both)] == ["t", "u"]
+    assert losses.class_targets(losses.mse_loss(forward([4, 5]), output="logits")) == []
+
+
+@pytest.mark.parametrize("labels", [[0, 7, 1, 2], [0, 1, -3, 2], [[0, 1, 2, 5], [0, 0, 0, 0]]])
+def test_label_error_says_what_pytorch_says(labels):
+    torch = pytest.importorskip("torch")
+    labels = np.array(labels, np.int64)
+    shape = [2, 5, 4] if labels.ndim == 2 else [4, 5]
+    with pytest.raises(IndexError) as expected:
+        torch.nn.functional.cross_entropy(torch.zeros(shape), torch.from_numpy(labels))
+    m = losses.cross_entropy(forward(shape), output="logits", target="t")
+    with pytest.raises(losses.LabelError) as got:
+        losses.check_labels(losses.class_targets(m), {"t": labels})
+    assert str(expected.value).rstrip(".").lower() in str(got.value).lower()

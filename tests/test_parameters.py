@@ -468,6 +468,58 @@ def test_folded_copies_that_repeat_elements_are_told_from_weights(values, repeat
     assert _repeats_elements(numpy_helper.from_array(values.astype(np.float32), "t")) == repeats
 
 
+def _repeats_by_sorting(values: np.ndarray) -> bool:
+    """The definition of params._repeats_elements, every count taken exactly with np.unique."""
+    flat = values.reshape(-1)
+    if flat.size < 2 or (flat == flat[0]).all():
+        return False
+    for axis, n in enumerate(values.shape):
+        fibres = np.moveaxis(values, axis, -1).reshape(-1, n)
+        if n >= 2 and len(fibres) >= 2 and len(np.unique(fibres, axis=0)) <= 0.75 * len(fibres):
+            return True
+    as32 = flat.astype(np.float32)
+    low = not (as32.view(np.uint32) & 0xFFFF).any() or (as32.astype(np.float16).astype(np.float32) == as32).all()
+    unique = np.unique(flat).size
+    return unique <= flat.size / 2 if not low else flat.size <= 256 and unique <= 0.75 * flat.size
+
+
+def _rows_repeated(fraction: float, rows: int = 1024, width: int = 4) -> np.ndarray:
+    """Random rows, the last ``fraction`` of them copies of earlier ones."""
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((rows, width))
+    copies = int(rows * fraction)
+    a[rows - copies:] = a[rng.integers(0, rows - copies, copies)]
+    return a
+
+
+def _signed_zeros() -> np.ndarray:
+    a = np.random.default_rng(6).standard_normal((512, 8))
+    a[:, :3] = 0.0
+    a[::2, :3] = -0.0                       # equal to 0.0, as np.unique counts them
+    return a
+
+
+@pytest.mark.parametrize("values, dtype, repeats", [
+    (np.random.default_rng(0).standard_normal((64, 64, 3, 3)) * 0.05, np.float32, False),  # a folded Conv weight
+    (np.random.default_rng(1).standard_normal((48, 40)), np.float64, False),
+    (np.random.default_rng(2).standard_normal((64, 32)), np.float16, False),       # chance repeats of fp16
+    (np.repeat(np.random.default_rng(3).standard_normal((1, 512)), 8, axis=0), np.float32, True),   # expanded
+    (np.random.default_rng(4).standard_normal((100, 64))[np.arange(400) % 37], np.float32, True),   # gathered
+    (_rows_repeated(0.30), np.float32, True),           # a quarter and more of the rows repeat
+    (_rows_repeated(0.20), np.float32, False),          # fewer: the values are three quarters distinct
+    (_signed_zeros(), np.float32, True),
+    (np.where(np.arange(4096) % 7 == 0, np.nan, np.random.default_rng(7).standard_normal(4096)).reshape(64, 64),
+     np.float32, False),
+])
+def test_repeat_check_of_large_tensors_decides_as_sorting_does(values, dtype, repeats):
+    """The hashing shortcut (a lower bound on the distinct values) changes no decision of the exact counts."""
+    from onnxgrad.params import _repeats_elements
+
+    values = values.astype(dtype)
+    assert _repeats_by_sorting(values) == repeats
+    assert _repeats_elements(numpy_helper.from_array(values, "t")) == repeats
+
+
 def test_a_tensor_shared_by_a_running_statistic_and_a_weight_is_split_apart():
     """Fresh models have equal-valued tensors (zero biases and means) that exporters merge and route
     through Identity nodes; the running statistic gets its own tensor again, so that training the weight

@@ -281,6 +281,30 @@ def test_feeds_are_checked_and_coerced():
     assert s.step_count == 1
 
 
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_class_labels_out_of_range_are_refused_before_the_run(accumulation_steps, tmp_path):
+    """A label outside [0, C) would give onnxruntime's "Out of range" (or a NaN gradient on another provider):
+    step and eval say which label, where, and C, and change nothing."""
+    s = session(accumulation_steps=accumulation_steps)
+    start = s.parameters()
+    y = np.array(DATA["y"][0][:2])
+    y[1] = 7
+    with pytest.raises(losses.LabelError, match=r"^step: target 7 is out of bounds: the label at position \[1\] of "
+                       r"'y' is neither in \[0, 3\) \(cross_entropy over 3 classes of 'logits'\) nor ignore_index"):
+        s.step({"x": DATA["x"][0][:2], "y": y})
+    with pytest.raises(losses.LabelError, match=r"^eval: target 7 is out of bounds"):
+        s.eval({"x": DATA["x"][0][:2], "y": y})
+    y[1] = -100                                     # ignore_index counts for nothing, as in PyTorch
+    for _ in range(accumulation_steps):
+        s.step({"x": DATA["x"][0][:2], "y": y})
+    assert s.step_count == 1 and all(np.isfinite(v).all() for v in s.parameters().values())
+    assert any(not np.array_equal(v, start[k]) for k, v in s.parameters().items())
+    s.save(tmp_path / "ckpt.npz")                   # a resumed session checks as well
+    y[0] = 3
+    with pytest.raises(losses.LabelError, match=r"^step: target 3 is out of bounds: the label at position \[0\]"):
+        TrainingSession.load(tmp_path / "ckpt.npz").step({"x": DATA["x"][0][:2], "y": y})
+
+
 @pytest.mark.parametrize("make, error, words", [
     (lambda: TrainingSession(mlp_model(), loss="nope"), onnxgrad.UnknownNameError, "not an output"),
     (lambda: TrainingSession(mlp_model(), loss=ce(), frozen=["W"]), onnxgrad.UnknownNameError, "not float"),
@@ -585,10 +609,77 @@ def test_training_model_runs_in_plain_onnxruntime_and_matches_the_session():
         assert not {i.name for i in m.graph.initializer} & {i.name for i in m.graph.input}
 
 
+@pytest.mark.parametrize("path, predictions, target, data", [
+    (FIXTURES / "mlp.onnx", "logits", "y", lambda k: batch(k)),
+    (ROOT / "models" / "cnn_bn_dynamo.onnx", "y", "label",      # BatchNormalization: running statistics too
+     lambda k: {"x": np.random.default_rng(k).standard_normal((2, 3, 16, 16)).astype(np.float32),
+                "label": np.random.default_rng(k).integers(0, 5, 2).astype(np.int64)}),
+], ids=["mlp", "cnn_bn"])
+def test_written_artifacts_fed_their_next_outputs_back_train_as_the_session(tmp_path, capsys, path, predictions,
+                                                                             target, data):
+    """The README's loop, word for word: start from model.train.init.npz and feed every ``<name>.next`` output
+    back as ``<name>`` (``step`` included: AdamW's bias correction reads it), nothing else."""
+    model = tmp_path / "model.onnx"
+    onnx.save(onnx.load(path), model)
+    assert cli_main([str(model), "--loss-fn", "cross_entropy", "--predictions", predictions, "--target", target,
+                     "--optimizer", "adamw", "--lr", "0.01", "--optimize-for", "cpu"]) == 0      # as the session runs
+    capsys.readouterr()
+    sess = ort.InferenceSession(str(tmp_path / "model.train.onnx"), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    state = dict(np.load(tmp_path / "model.train.init.npz"))
+    losses_fed = []
+    for k in range(5):
+        out = dict(zip(names, sess.run(None, {**data(k), **state})))
+        losses_fed.append(float(out["loss"]))
+        state.update({name[:-len(".next")]: value for name, value in out.items() if name.endswith(".next")})
+    assert int(state["step"]) == 6
+    # the written model records its class labels, for a loop of one's own to check a batch before a run
+    [labels] = losses.class_targets(onnx.load(tmp_path / "model.train.onnx"))
+    assert (labels.target, labels.ignore_index) == (target, -100)
+    with pytest.raises(losses.LabelError, match=f"target {labels.classes} is out of bounds"):
+        losses.check_labels([labels], {target: np.full(2, labels.classes)})
+    s = TrainingSession(onnx.load(path), loss=losses.CrossEntropyLoss(output=predictions, target=target),
+                        optimizer=optim.AdamW(lr=0.01))
+    expected = [s.step(data(k)) for k in range(5)]
+    np.testing.assert_allclose(losses_fed, expected, rtol=0, atol=1e-5)
+    for name, value in {**s.parameters(), **s.buffers()}.items():
+        np.testing.assert_allclose(state[name], value, rtol=0, atol=1e-6, err_msg=name)
+
+
+def test_written_accumulation_artifacts_follow_the_readme_loop(tmp_path, capsys):
+    """--accumulation-steps 2: the accumulate model on the first micro-batch, the train model on the second,
+    every ``.next`` fed back, the sums from zeros again after each update: TrainingSession's updates."""
+    model = tmp_path / "mlp.onnx"
+    onnx.save(mlp_model(), model)
+    assert cli_main([str(model), "--loss-fn", "cross_entropy", "--target", "y", "--optimizer", "adamw", "--lr",
+                     "0.01", "--accumulation-steps", "2", "--optimize-for", "cpu"]) == 0
+    capsys.readouterr()
+    runs = {stem: ort.InferenceSession(str(tmp_path / f"mlp.{stem}.onnx"), providers=["CPUExecutionProvider"])
+            for stem in ("accumulate", "train")}
+    state = dict(np.load(tmp_path / "mlp.train.init.npz"))
+    zeros = {k: v for k, v in state.items() if k.endswith(".grad_acc")}
+    for k in range(3):
+        for stem, half in (("accumulate", slice(0, 2)), ("train", slice(2, 4))):
+            sess = runs[stem]
+            feeds = {"x": DATA["x"][k][half], "y": DATA["y"][k][half], **state}
+            out = dict(zip([o.name for o in sess.get_outputs()],
+                           sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})))
+            state.update({name[:-len(".next")]: v for name, v in out.items() if name.endswith(".next")})
+        state.update(zeros)
+    s = session(accumulation_steps=2)
+    for k in range(3):
+        for half in (slice(0, 2), slice(2, 4)):
+            s.step({"x": DATA["x"][k][half], "y": DATA["y"][k][half]})
+    assert int(state["step"]) == s.step_count + 1 == 4
+    for name, value in s.parameters().items():
+        np.testing.assert_allclose(state[name], value, rtol=0, atol=1e-6, err_msg=name)
+
+
 def test_guarded_training_model_keeps_old_values_on_nan():
     art = artifacts.build(mlp_model(), ce(), optim.SGD(lr=0.1, momentum=0.9))
     results, carried = run_guarded(art.train, [poisoned()], 0.1, art.initial_values())
     assert not bool(results[0]["finite"])
+    assert int(results[0][art.spec.step_next]) == 1          # a step not applied is not counted (Adam's bias)
     for p in art.spec.params:
         np.testing.assert_array_equal(carried[p], art.initial_params[p])
 

@@ -23,6 +23,7 @@ from ..builder import FLOAT_TYPES
 from .runtime import (  # noqa: F401
     _FLOAT_TYPE_STRS,
     FLOAT64_IN_REFERENCE,
+    ReferenceKernelError,
     Runner,
     RuntimeRefusedError,
     _corrected_kernels,  # noqa: F401  (test_forward_shared_cases extends them)

@@ -301,6 +301,23 @@ class MaxUnpool(OpRun):
         return (y.reshape(shape),)
 
 
+class GatherElements(OpRun):
+    """onnx.reference gathers with ``np.choose``, which takes at most 64 choices: with more along the axis
+    a 2-D gather returns one element per row (BERT's ``token_type_ids`` buffer of 512 read at 32 positions:
+    "cannot reshape array of size 1 into shape (1,32)") and other ranks fail; and it refuses indices shorter
+    than the data off the axis, which the spec, onnxruntime and ``torch.gather`` take (onnx 1.23)."""
+
+    op_domain = ""
+
+    def _run(self, data, indices, axis=None):
+        axis = (axis or 0) % data.ndim
+        size = data.shape[axis]
+        if indices.size and (indices.min() < -size or indices.max() >= size):
+            raise IndexError(f"GatherElements: an index is outside [-{size}, {size - 1}] along axis {axis}")
+        window = tuple(slice(None) if d == axis else slice(0, n) for d, n in enumerate(indices.shape))
+        return (np.take_along_axis(data[window], np.where(indices < 0, indices + size, indices), axis=axis),)
+
+
 class MeanVarianceNormalization(OpRun):
     """onnx.reference runs the function body, whose epsilon is a float32 constant: not float64-clean
     (onnx 1.23)."""
@@ -386,5 +403,6 @@ class Loop(op_loop.Loop):
         return tuple(carried) + tuple(np.stack(x) if x else np.empty((0,)) for x in stacked)
 
 
-KERNELS = [Loop, BatchNormalization, DynamicQuantizeLinear, LayerNormalization, MaxUnpool, MeanVarianceNormalization,
-           Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState, LinearAttention, *_RECURRENT]
+KERNELS = [Loop, BatchNormalization, DynamicQuantizeLinear, GatherElements, LayerNormalization, MaxUnpool,
+           MeanVarianceNormalization, Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState,
+           LinearAttention, *_RECURRENT]

@@ -46,6 +46,21 @@ class RuntimeRefusedError(RuntimeError):
                          "or check(..., reference=reason))")
 
 
+class ReferenceKernelError(RuntimeError):
+    """onnx.reference failed on one node: the check cannot evaluate that op on these values.
+
+    ``node``: the node (at the model's top level: an If or Loop stands for its bodies); ``detail``: the
+    kernel's own message, its first line.
+    """
+
+    def __init__(self, model: onnx.ModelProto, node: onnx.NodeProto, error: Exception):
+        text = str(error).strip()
+        self.node, self.detail = node, text.splitlines()[0] if text else type(error).__name__
+        name = f"'{node.name}'" if node.name else f"making '{node.output[0]}'" if node.output else "(unnamed)"
+        super().__init__(f"onnx.reference cannot evaluate node {name} ({node.op_type}) of the model "
+                         f"'{model.graph.name}': {self.detail}")
+
+
 class Runner:
     """Runs a model in onnxruntime (CPU), or in onnx.reference where that is declared with a reason.
 
@@ -92,6 +107,8 @@ class Runner:
         from onnx.reference import ReferenceEvaluator
 
         self._sess = ReferenceEvaluator(self.model, new_ops=_corrected_kernels())
+        for kernel in self._sess.rt_nodes_:       # a failing kernel names its node
+            kernel.run = _naming_failures(kernel.run, self.model, kernel.onnx_node)
         self.backend, self.reason = "reference", reason
 
     def __call__(self, feeds: Mapping[str, np.ndarray], outputs: list[str] | None = None) -> dict[str, np.ndarray]:
@@ -108,6 +125,20 @@ class Runner:
             self._use_reference(why)          # a kernel for the element type missing at run time
             values = self._sess.run(names, feeds)
         return dict(zip(names, values))
+
+
+def _naming_failures(run, model: onnx.ModelProto, node: onnx.NodeProto):
+    """``run`` (an onnx.reference kernel's), raising :class:`ReferenceKernelError` for ``node`` when it fails."""
+
+    def named(*args, **kwargs):
+        try:
+            return run(*args, **kwargs)
+        except ReferenceKernelError:
+            raise
+        except Exception as e:
+            raise ReferenceKernelError(model, node, e) from e
+
+    return named
 
 
 def _quiet_run_options():
