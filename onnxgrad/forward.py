@@ -9,18 +9,16 @@ output: J v, with J the Jacobian of the outputs with respect to all of ``wrt``.
    differentiable input gets its outputs' tangents from its tangent rule
    (:mod:`onnxgrad.tangents`), else from the transpose of its reverse rule
    (:mod:`onnxgrad.tangents.fallback`). Zero-derivative ops give no tangent.
-3. Expose ``<y>_tangent`` outputs, drop tangent nodes nothing reads, stamp metadata
+3. Expose ``<y>_tangent`` outputs (zeros of y's type and shape where no direction reaches y, as
+   ``torch.func.jvp``), drop tangent nodes nothing reads, stamp metadata
    (``onnxgrad.tangent_inputs``, ``onnxgrad.tangents``), which :func:`onnxgrad.grad` keeps,
    so ``grad(jvp(m))`` and ``jvp(grad(m))`` compose.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
-import time
-from collections import Counter
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -31,25 +29,27 @@ from . import graph as G
 from . import model as M
 from . import tangents as T
 from .builder import Builder, NameScope, TensorInfo, Var, rename_tensors
-from .errors import NonFloatError, OnnxGradError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError
+from .errors import NonFloatError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError
 from .tangents.fallback import transpose_of_vjp
 
-__all__ = ["jvp", "tangent_spec", "check_jvp", "run_jvp"]
+__all__ = ["jvp", "tangent_spec", "check_jvp"]
 
 
 def jvp(
     model: onnx.ModelProto | str | os.PathLike,
     wrt: Sequence[str] | str,
     of: Sequence[str] | str | None = None,
-    allow_unused: bool = False,
+    allow_unused: bool = True,
     strict_tags: bool = False,
 ) -> onnx.ModelProto:
     """Append the tangent graph to ``model``: inputs ``<x>_tangent`` (v), outputs ``<y>_tangent`` (J v).
 
     ``wrt``: graph inputs, initializers or float intermediate tensors (a direction at an
     intermediate tensor is added to the tangent flowing into it, as ``grad`` gives the total
-    gradient there). ``of``: float outputs (default: every float output). ``allow_unused``:
-    zeros for an output no ``wrt`` tensor reaches instead of an :class:`UnusedError`.
+    gradient there). ``of``: float outputs (default: every float output). As ``torch.func.jvp``,
+    an output no ``wrt`` tensor reaches through a differentiable path has a zero tangent (of its
+    type and shape, the shape read at run time where it is symbolic), and a direction that reaches
+    no output is ignored; ``allow_unused=False`` is the strict check: an :class:`UnusedError` for either.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -122,7 +122,8 @@ class _ForwardPass:
         for name in self.wrt:
             if name not in self.reach and not self.allow_unused:
                 raise UnusedError(f"wrt '{name}' does not influence the outputs {', '.join(self.of)} through a "
-                                  "differentiable path; pass allow_unused=True to ignore its direction")
+                                  "differentiable path; leave allow_unused at its default (True) to ignore its "
+                                  "direction")
         g = self.model.graph
         taken = self.known | {o.name for o in g.output} | {n.name for n in self.nodes}
         self.names = NameScope(taken)
@@ -144,7 +145,8 @@ class _ForwardPass:
             if t is None:
                 if not self.allow_unused:
                     raise UnusedError(f"output '{y}' does not depend on {', '.join(self.wrt)} through a differentiable "
-                                      "path: its tangent is zero; pass allow_unused=True to get zeros")
+                                      "path: its tangent is zero; leave allow_unused at its default (True) to get "
+                                      "zeros")
                 t = root.scoped(f"{y}_tangent", f"tangent of '{y}'").zeros_like(root.var(y))
                 made_here.add(t.name)
             if t.name in made_here and t.name not in renames:
@@ -284,59 +286,3 @@ def check_jvp(model: onnx.ModelProto, jvp_model: onnx.ModelProto, inputs: Mappin
         scale = max(np.max(np.abs(num), initial=0.0), np.max(np.abs(got), initial=0.0), C.ABS_FLOOR)
         errors[y] = float(np.max(np.abs(got - num), initial=0.0) / scale)
     return errors, directions
-
-
-# -- command line -------------------------------------------------------------------------
-CHECK_TOLERANCE = 1e-3
-
-
-def run_jvp(argv: Sequence[str]) -> int:
-    """``python -m onnxgrad jvp MODEL --wrt NAME ... [--of NAME ...] [-o OUT] [--check]``"""
-    from .cli import _shape_text
-    from .files import save_model
-
-    p = argparse.ArgumentParser(prog="python -m onnxgrad jvp",
-                                description="Append the forward-mode (tangent) graph to an ONNX model: an input "
-                                "<x>_tangent per --wrt tensor (a direction v) and an output <y>_tangent per "
-                                "--of output (J v), as standard ONNX ops.")
-    p.add_argument("model", help="the forward model (.onnx)")
-    p.add_argument("-o", "--output", help="where to write the model (default: <stem>.jvp.onnx beside MODEL)")
-    p.add_argument("--wrt", nargs="+", metavar="NAME", required=True, help="tensors the directions perturb")
-    p.add_argument("--of", nargs="+", metavar="NAME", help="outputs to differentiate (default: every float output)")
-    p.add_argument("--allow-unused", action="store_true",
-                   help="zeros for outputs no wrt tensor reaches, and ignore wrt tensors that reach no output")
-    p.add_argument("--strict-tags", action="store_true", help="follow the ONNX differentiability tags only")
-    p.add_argument("--check", action="store_true",
-                   help="also compare the tangents with central differences along random directions")
-    p.add_argument("--seed", type=int, default=0, help="random seed for --check (default 0)")
-    args = p.parse_args(argv)
-    stem = args.model[:-5] if args.model.endswith(".onnx") else args.model
-    out_path = args.output or stem + ".jvp.onnx"
-    if os.path.abspath(out_path) == os.path.abspath(args.model):
-        raise OnnxGradError(f"output '{out_path}' is the input model; choose another path with -o")
-    t0 = time.perf_counter()
-    model = M.load(args.model)
-    jm = jvp(model, wrt=args.wrt, of=args.of, allow_unused=args.allow_unused, strict_tags=args.strict_tags)
-    build_s = time.perf_counter() - t0
-    save_model(jm, out_path)
-    spec = tangent_spec(jm)
-    n_forward = len(model.graph.node)
-    added = jm.graph.node[n_forward:]
-    inputs = {i.name: i for i in jm.graph.input}
-    outputs = {o.name: o for o in jm.graph.output}
-    print(f"wrote {out_path}")
-    print(f"forward nodes: {n_forward}   tangent nodes: {len(added)}   built in {build_s:.3f} s")
-    print("tangent ops: " + ", ".join(f"{op} x{k}" for op, k in sorted(Counter(n.op_type for n in added).items())))
-    for w, t in spec["tangent_inputs"].items():
-        print(f"  direction input {t} {_shape_text(inputs[t])}: v for '{w}'")
-    for y, t in spec["tangents"].items():
-        print(f"  tangent output {t} {_shape_text(outputs[t])}: J v of '{y}'")
-    if args.check:
-        errors, _ = check_jvp(model, jm, rng=args.seed)
-        print("numeric check (float64 central differences along random directions):")
-        for y, err in errors.items():
-            print(f"  {spec['tangents'][y]}: worst relative error {err:.2e}")
-        if not all(np.isfinite(e) and e <= CHECK_TOLERANCE for e in errors.values()):
-            print(f"error: numeric check failed: errors above {CHECK_TOLERANCE:g}", file=__import__("sys").stderr)
-            return 1
-    return 0
