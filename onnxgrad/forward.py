@@ -239,7 +239,8 @@ def check_jvp(model: onnx.ModelProto, jvp_model: onnx.ModelProto, inputs: Mappin
               *, rng: np.random.Generator | int = 0, eps: float = 1e-6,
               run=None, reference: str = "") -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """Worst relative error of each tangent output against the central difference of the float64 forward
-    model along random directions v: (f(x + h v) - f(x - h v)) / 2h. ``run(jvp_model, feeds)``
+    model along random directions v: (f(x + h v) - f(x - h v)) / 2h (at an intermediate tensor, h v is
+    added to the value flowing in, as jvp adds its direction to the tangent). ``run(jvp_model, feeds)``
     evaluates the tangent graph (default: onnxruntime as it is; ``check.run_float64``: in float64).
     ``reference``: the declared reason every run here uses onnx.reference (``check.check``'s). Returns the
     errors and the directions used."""
@@ -266,13 +267,15 @@ def check_jvp(model: onnx.ModelProto, jvp_model: onnx.ModelProto, inputs: Mappin
     tfeeds.update({spec["tangent_inputs"][w]: v for w, v in directions.items()})
     names = [spec["tangents"][y] for y in of]
     values = C.Runner(jvp_model, **declared)(tfeeds, names) if run is None else run(jvp_model, tfeeds)
-    perturbable = C.Runner(C._as_inputs(model64, wrt), **declared)
+    leaves = [w for w in wrt if w not in inner]
+    perturbable = C.Runner(_with_offsets(C._as_inputs(model64, leaves), inner), **declared)
     h = eps * max([1.0] + [float(np.max(np.abs(s), initial=0.0)) for s in start.values()])
 
     def at(sign: float) -> dict:
         point = dict(feeds64)
         point.update({w: np.asarray(start[w], np.float64) + sign * h * directions[w].astype(np.float64)
-                      for w in wrt})
+                      for w in leaves})
+        point.update({w + _OFFSET: sign * h * directions[w].astype(np.float64) for w in inner})
         return perturbable(point, of)
 
     plus, minus = at(1.0), at(-1.0)
@@ -286,3 +289,27 @@ def check_jvp(model: onnx.ModelProto, jvp_model: onnx.ModelProto, inputs: Mappin
         scale = max(np.max(np.abs(num), initial=0.0), np.max(np.abs(got), initial=0.0), C.ABS_FLOOR)
         errors[y] = float(np.max(np.abs(got - num), initial=0.0) / scale)
     return errors, directions
+
+
+_OFFSET = "__onnxgrad_offset"
+
+
+def _with_offsets(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """``model`` with an input ``<t>__onnxgrad_offset`` added to each intermediate tensor t where it is made:
+    its readers (outputs included) see t + offset, and whatever t depends on still moves it."""
+    if not names:
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    nodes = []
+    for node in g.node:
+        nodes.append(node)
+        for k, y in enumerate(node.output):
+            if y in names:
+                node.output[k] = y + "__onnxgrad_before_offset"
+                nodes.append(helper.make_node("Add", [node.output[k], y + _OFFSET], [y], name=y + _OFFSET))
+                g.input.append(helper.make_tensor_value_info(y + _OFFSET, TensorProto.DOUBLE, None))
+    del g.node[:]
+    g.node.extend(nodes)
+    return m
