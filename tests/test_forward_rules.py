@@ -176,6 +176,8 @@ def test_every_native_rule_has_cases():
 FALLBACK = [
     Case("Softplus", [randn(3, 4)]),
     Case("LeakyRelu", [off_kinks(3, 4)], {"alpha": 0.2}),
+    # float64, the default alpha: the float32 0.01 the forward uses (a float64 0.01 was off by 2e-8)
+    Case("LeakyRelu", [-positive(3, 4).astype(np.float64)], tol32=1e-9, tol64=1e-9, id="float64-default-alpha"),
     Case("Elu", [off_kinks(3, 4)]),
     Case("HardSigmoid", [off_kinks(3, 4)]),
     Case("Clip", [off_kinks(3, 4), np.array(-0.3, np.float32), np.array(0.4, np.float32)], wrt=[0]),

@@ -1,7 +1,6 @@
 """Tangents of softmax, pooling, normalization, dropout and the cross-entropy loss."""
 from __future__ import annotations
 
-import numpy as np
 from onnx import TensorProto, helper
 
 from ..builder import TensorInfo, Var, total
@@ -90,8 +89,7 @@ def layer_normalization(t: TNode):
     if _bits(stash) < _bits(x.dtype):
         mu = t.b.reduce("ReduceMean", x, axes)
         centred = x - mu
-        epsilon = float(np.float32(t.attr("epsilon", 1e-5)))     # a float attribute, as the forward reads it
-        r = t.op.Reciprocal(t.op.Sqrt(t.b.reduce("ReduceMean", centred * centred, axes) + epsilon))
+        r = t.op.Reciprocal(t.op.Sqrt(t.b.reduce("ReduceMean", centred * centred, axes) + t.attr("epsilon", 1e-5)))
         stats = [t.outputs[k] if wanted[k] else None for k in (1, 2)]
     else:
         stats = []
