@@ -4,13 +4,15 @@ Training artifacts: ``python -m onnxgrad MODEL --loss-fn cross_entropy --target 
 [--lr ...]`` writes ``<stem>.train.onnx`` (forward + loss + backward + update) and ``<stem>.eval.onnx``.
 
 Also ``python -m onnxgrad ops`` (rule coverage of every ai.onnx op),
-``python -m onnxgrad params MODEL`` (what is trained, and why the rest is not) and
-``python -m onnxgrad lower MODEL`` (replace ai.onnx.preview.training ops).
+``python -m onnxgrad params MODEL`` (what is trained, and why the rest is not),
+``python -m onnxgrad lower MODEL`` (replace ai.onnx.preview.training ops) and
+``python -m onnxgrad jvp MODEL --wrt NAME ...`` (forward mode, :mod:`onnxgrad.forward`).
 User errors print one ``error: ...`` line on stderr and exit 2.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -164,9 +166,9 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
     tg.add_argument("--eval-output", metavar="PATH", help="default: <stem>.eval.onnx beside -o (else MODEL)")
 
 
-def _default_output(model_path: str) -> str:
+def _default_output(model_path: str, suffix: str = ".grad.onnx") -> str:
     stem = model_path[:-5] if model_path.endswith(".onnx") else model_path
-    return stem + ".grad.onnx"
+    return stem + suffix
 
 
 def _speed_lines(model) -> list[str]:
@@ -445,9 +447,56 @@ def run_lower(argv: Sequence[str]) -> int:
 
 
 def run_jvp(argv: Sequence[str]) -> int:
-    from .forward import run_jvp as run
+    """``python -m onnxgrad jvp MODEL --wrt NAME ... [--of NAME ...] [-o OUT] [--check]``"""
+    p = argparse.ArgumentParser(prog="python -m onnxgrad jvp",
+                                description="Append the forward-mode (tangent) graph to an ONNX model: an input "
+                                "<x>_tangent per --wrt tensor (a direction v) and an output <y>_tangent per "
+                                "--of output (J v), as standard ONNX ops.")
+    p.add_argument("model", help="the forward model (.onnx)")
+    p.add_argument("-o", "--output", help="where to write the model (default: <stem>.jvp.onnx beside MODEL)")
+    p.add_argument("--wrt", nargs="+", metavar="NAME", required=True, help="tensors the directions perturb")
+    p.add_argument("--of", nargs="+", metavar="NAME", help="outputs to differentiate (default: every float output)")
+    p.add_argument("--allow-unused", action=argparse.BooleanOptionalAction, default=True,
+                   help="zeros for outputs no wrt tensor reaches, and ignore wrt tensors that reach no output, as "
+                   "torch.func.jvp (the default); --no-allow-unused makes either an error")
+    p.add_argument("--strict-tags", action="store_true", help="follow the ONNX differentiability tags only")
+    p.add_argument("--check", action="store_true",
+                   help="also compare the tangents with central differences along random directions")
+    p.add_argument("--seed", type=int, default=0, help="random seed for --check (default 0)")
+    args = p.parse_args(argv)
+    from .forward import check_jvp, jvp, tangent_spec
+    from .model import load
 
-    return run(argv)
+    out_path = args.output or _default_output(args.model, ".jvp.onnx")
+    if os.path.abspath(out_path) == os.path.abspath(args.model):
+        raise OnnxGradError(f"output '{out_path}' is the input model; choose another path with -o")
+    _writable(out_path)
+    t0 = time.perf_counter()
+    model = load(args.model)
+    jm = jvp(model, wrt=args.wrt, of=args.of, allow_unused=args.allow_unused, strict_tags=args.strict_tags)
+    build_s = time.perf_counter() - t0
+    _save(jm, out_path)
+    spec = tangent_spec(jm)
+    n_forward = len(model.graph.node)
+    added = jm.graph.node[n_forward:]
+    inputs = {i.name: i for i in jm.graph.input}
+    outputs = {o.name: o for o in jm.graph.output}
+    print(f"wrote {out_path}")
+    print(f"forward nodes: {n_forward}   tangent nodes: {len(added)}   built in {build_s:.3f} s")
+    print("tangent ops: " + ", ".join(f"{op} x{k}" for op, k in sorted(Counter(n.op_type for n in added).items())))
+    for w, t in spec["tangent_inputs"].items():
+        print(f"  direction input {t} {_shape_text(inputs[t])}: v for '{w}'")
+    for y, t in spec["tangents"].items():
+        print(f"  tangent output {t} {_shape_text(outputs[t])}: J v of '{y}'")
+    if args.check:
+        errors, _ = check_jvp(model, jm, rng=args.seed)
+        print("numeric check (float64 central differences along random directions):")
+        for y, err in errors.items():
+            print(f"  {spec['tangents'][y]}: worst relative error {err:.2e}")
+        if not all(math.isfinite(e) and e <= CHECK_TOLERANCE for e in errors.values()):
+            print(f"error: numeric check failed: errors above {CHECK_TOLERANCE:g}", file=sys.stderr)
+            return 1
+    return 0
 
 
 COMMANDS = {"ops": run_ops, "lower": run_lower, "params": run_params, "jvp": run_jvp}

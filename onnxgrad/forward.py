@@ -9,18 +9,16 @@ output: J v, with J the Jacobian of the outputs with respect to all of ``wrt``.
    differentiable input gets its outputs' tangents from its tangent rule
    (:mod:`onnxgrad.tangents`), else from the transpose of its reverse rule
    (:mod:`onnxgrad.tangents.fallback`). Zero-derivative ops give no tangent.
-3. Expose ``<y>_tangent`` outputs, drop tangent nodes nothing reads, stamp metadata
+3. Expose ``<y>_tangent`` outputs (zeros of y's type and shape where no direction reaches y, as
+   ``torch.func.jvp``), drop tangent nodes nothing reads, stamp metadata
    (``onnxgrad.tangent_inputs``, ``onnxgrad.tangents``), which :func:`onnxgrad.grad` keeps,
    so ``grad(jvp(m))`` and ``jvp(grad(m))`` compose.
 """
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
-import time
-from collections import Counter
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -31,25 +29,27 @@ from . import graph as G
 from . import model as M
 from . import tangents as T
 from .builder import Builder, NameScope, TensorInfo, Var, rename_tensors
-from .errors import NonFloatError, OnnxGradError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError
+from .errors import NonFloatError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError
 from .tangents.fallback import transpose_of_vjp
 
-__all__ = ["jvp", "tangent_spec", "check_jvp", "run_jvp"]
+__all__ = ["jvp", "tangent_spec", "check_jvp"]
 
 
 def jvp(
     model: onnx.ModelProto | str | os.PathLike,
     wrt: Sequence[str] | str,
     of: Sequence[str] | str | None = None,
-    allow_unused: bool = False,
+    allow_unused: bool = True,
     strict_tags: bool = False,
 ) -> onnx.ModelProto:
     """Append the tangent graph to ``model``: inputs ``<x>_tangent`` (v), outputs ``<y>_tangent`` (J v).
 
     ``wrt``: graph inputs, initializers or float intermediate tensors (a direction at an
     intermediate tensor is added to the tangent flowing into it, as ``grad`` gives the total
-    gradient there). ``of``: float outputs (default: every float output). ``allow_unused``:
-    zeros for an output no ``wrt`` tensor reaches instead of an :class:`UnusedError`.
+    gradient there). ``of``: float outputs (default: every float output). As ``torch.func.jvp``,
+    an output no ``wrt`` tensor reaches through a differentiable path has a zero tangent (of its
+    type and shape, the shape read at run time where it is symbolic), and a direction that reaches
+    no output is ignored; ``allow_unused=False`` is the strict check: an :class:`UnusedError` for either.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -122,7 +122,8 @@ class _ForwardPass:
         for name in self.wrt:
             if name not in self.reach and not self.allow_unused:
                 raise UnusedError(f"wrt '{name}' does not influence the outputs {', '.join(self.of)} through a "
-                                  "differentiable path; pass allow_unused=True to ignore its direction")
+                                  "differentiable path; leave allow_unused at its default (True) to ignore its "
+                                  "direction")
         g = self.model.graph
         taken = self.known | {o.name for o in g.output} | {n.name for n in self.nodes}
         self.names = NameScope(taken)
@@ -144,7 +145,8 @@ class _ForwardPass:
             if t is None:
                 if not self.allow_unused:
                     raise UnusedError(f"output '{y}' does not depend on {', '.join(self.wrt)} through a differentiable "
-                                      "path: its tangent is zero; pass allow_unused=True to get zeros")
+                                      "path: its tangent is zero; leave allow_unused at its default (True) to get "
+                                      "zeros")
                 t = root.scoped(f"{y}_tangent", f"tangent of '{y}'").zeros_like(root.var(y))
                 made_here.add(t.name)
             if t.name in made_here and t.name not in renames:
@@ -237,7 +239,8 @@ def check_jvp(model: onnx.ModelProto, jvp_model: onnx.ModelProto, inputs: Mappin
               *, rng: np.random.Generator | int = 0, eps: float = 1e-6,
               run=None, reference: str = "") -> tuple[dict[str, float], dict[str, np.ndarray]]:
     """Worst relative error of each tangent output against the central difference of the float64 forward
-    model along random directions v: (f(x + h v) - f(x - h v)) / 2h. ``run(jvp_model, feeds)``
+    model along random directions v: (f(x + h v) - f(x - h v)) / 2h (at an intermediate tensor, h v is
+    added to the value flowing in, as jvp adds its direction to the tangent). ``run(jvp_model, feeds)``
     evaluates the tangent graph (default: onnxruntime as it is; ``check.run_float64``: in float64).
     ``reference``: the declared reason every run here uses onnx.reference (``check.check``'s). Returns the
     errors and the directions used."""
@@ -264,13 +267,15 @@ def check_jvp(model: onnx.ModelProto, jvp_model: onnx.ModelProto, inputs: Mappin
     tfeeds.update({spec["tangent_inputs"][w]: v for w, v in directions.items()})
     names = [spec["tangents"][y] for y in of]
     values = C.Runner(jvp_model, **declared)(tfeeds, names) if run is None else run(jvp_model, tfeeds)
-    perturbable = C.Runner(C._as_inputs(model64, wrt), **declared)
+    leaves = [w for w in wrt if w not in inner]
+    perturbable = C.Runner(_with_offsets(C._as_inputs(model64, leaves), inner), **declared)
     h = eps * max([1.0] + [float(np.max(np.abs(s), initial=0.0)) for s in start.values()])
 
     def at(sign: float) -> dict:
         point = dict(feeds64)
         point.update({w: np.asarray(start[w], np.float64) + sign * h * directions[w].astype(np.float64)
-                      for w in wrt})
+                      for w in leaves})
+        point.update({w + _OFFSET: sign * h * directions[w].astype(np.float64) for w in inner})
         return perturbable(point, of)
 
     plus, minus = at(1.0), at(-1.0)
@@ -286,57 +291,25 @@ def check_jvp(model: onnx.ModelProto, jvp_model: onnx.ModelProto, inputs: Mappin
     return errors, directions
 
 
-# -- command line -------------------------------------------------------------------------
-CHECK_TOLERANCE = 1e-3
+_OFFSET = "__onnxgrad_offset"
 
 
-def run_jvp(argv: Sequence[str]) -> int:
-    """``python -m onnxgrad jvp MODEL --wrt NAME ... [--of NAME ...] [-o OUT] [--check]``"""
-    from .cli import _shape_text
-    from .files import save_model
-
-    p = argparse.ArgumentParser(prog="python -m onnxgrad jvp",
-                                description="Append the forward-mode (tangent) graph to an ONNX model: an input "
-                                "<x>_tangent per --wrt tensor (a direction v) and an output <y>_tangent per "
-                                "--of output (J v), as standard ONNX ops.")
-    p.add_argument("model", help="the forward model (.onnx)")
-    p.add_argument("-o", "--output", help="where to write the model (default: <stem>.jvp.onnx beside MODEL)")
-    p.add_argument("--wrt", nargs="+", metavar="NAME", required=True, help="tensors the directions perturb")
-    p.add_argument("--of", nargs="+", metavar="NAME", help="outputs to differentiate (default: every float output)")
-    p.add_argument("--allow-unused", action="store_true",
-                   help="zeros for outputs no wrt tensor reaches, and ignore wrt tensors that reach no output")
-    p.add_argument("--strict-tags", action="store_true", help="follow the ONNX differentiability tags only")
-    p.add_argument("--check", action="store_true",
-                   help="also compare the tangents with central differences along random directions")
-    p.add_argument("--seed", type=int, default=0, help="random seed for --check (default 0)")
-    args = p.parse_args(argv)
-    stem = args.model[:-5] if args.model.endswith(".onnx") else args.model
-    out_path = args.output or stem + ".jvp.onnx"
-    if os.path.abspath(out_path) == os.path.abspath(args.model):
-        raise OnnxGradError(f"output '{out_path}' is the input model; choose another path with -o")
-    t0 = time.perf_counter()
-    model = M.load(args.model)
-    jm = jvp(model, wrt=args.wrt, of=args.of, allow_unused=args.allow_unused, strict_tags=args.strict_tags)
-    build_s = time.perf_counter() - t0
-    save_model(jm, out_path)
-    spec = tangent_spec(jm)
-    n_forward = len(model.graph.node)
-    added = jm.graph.node[n_forward:]
-    inputs = {i.name: i for i in jm.graph.input}
-    outputs = {o.name: o for o in jm.graph.output}
-    print(f"wrote {out_path}")
-    print(f"forward nodes: {n_forward}   tangent nodes: {len(added)}   built in {build_s:.3f} s")
-    print("tangent ops: " + ", ".join(f"{op} x{k}" for op, k in sorted(Counter(n.op_type for n in added).items())))
-    for w, t in spec["tangent_inputs"].items():
-        print(f"  direction input {t} {_shape_text(inputs[t])}: v for '{w}'")
-    for y, t in spec["tangents"].items():
-        print(f"  tangent output {t} {_shape_text(outputs[t])}: J v of '{y}'")
-    if args.check:
-        errors, _ = check_jvp(model, jm, rng=args.seed)
-        print("numeric check (float64 central differences along random directions):")
-        for y, err in errors.items():
-            print(f"  {spec['tangents'][y]}: worst relative error {err:.2e}")
-        if not all(np.isfinite(e) and e <= CHECK_TOLERANCE for e in errors.values()):
-            print(f"error: numeric check failed: errors above {CHECK_TOLERANCE:g}", file=__import__("sys").stderr)
-            return 1
-    return 0
+def _with_offsets(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """``model`` with an input ``<t>__onnxgrad_offset`` added to each intermediate tensor t where it is made:
+    its readers (outputs included) see t + offset, and whatever t depends on still moves it."""
+    if not names:
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    nodes = []
+    for node in g.node:
+        nodes.append(node)
+        for k, y in enumerate(node.output):
+            if y in names:
+                node.output[k] = y + "__onnxgrad_before_offset"
+                nodes.append(helper.make_node("Add", [node.output[k], y + _OFFSET], [y], name=y + _OFFSET))
+                g.input.append(helper.make_tensor_value_info(y + _OFFSET, TensorProto.DOUBLE, None))
+    del g.node[:]
+    g.node.extend(nodes)
+    return m

@@ -61,11 +61,13 @@ def _rename_outputs(m: onnx.ModelProto, renames: dict[str, str]) -> None:
 
 # -- Hessian-vector products ---------------------------------------------------------------
 def hvp(model: ModelLike, wrt: Sequence[str] | str, loss: str | None = None,
-        allow_unused: bool = False) -> onnx.ModelProto:
+        allow_unused: bool = True) -> onnx.ModelProto:
     """H v by forward over reverse: ``jvp(grad(model, wrt, loss), wrt, of=gradients)``.
 
     Inputs ``<x>_tangent`` (v, one per wrt tensor); outputs ``<x>_hvp`` = sum_j d^2 L / dx dx_j v_j,
     after the model's outputs and the gradients ``<x>_grad``. Metadata ``onnxgrad.hvp``: {x: output}.
+    A wrt tensor the loss does not depend on has zero gradient and zero H v, as in torch.func;
+    ``allow_unused=False``: an :class:`UnusedError` for it instead.
     """
     wrt = _names(wrt)
     gm = grad(model, wrt=wrt, loss=loss, allow_unused=allow_unused)
@@ -82,46 +84,53 @@ def hvp(model: ModelLike, wrt: Sequence[str] | str, loss: str | None = None,
 
 
 # -- full Jacobians -------------------------------------------------------------------------
-def jacrev(model: ModelLike, wrt: Sequence[str] | str, of: Sequence[str] | str | None = None) -> onnx.ModelProto:
+def jacrev(model: ModelLike, wrt: Sequence[str] | str, of: Sequence[str] | str | None = None,
+           allow_unused: bool = True) -> onnx.ModelProto:
     """Jacobians ``d<y>_d<x>`` [y.shape + x.shape] from the VJP graph on every one-hot seed of y."""
-    return jacobian(model, wrt, of, mode="rev")
+    return jacobian(model, wrt, of, mode="rev", allow_unused=allow_unused)
 
 
-def jacfwd(model: ModelLike, wrt: Sequence[str] | str, of: Sequence[str] | str | None = None) -> onnx.ModelProto:
+def jacfwd(model: ModelLike, wrt: Sequence[str] | str, of: Sequence[str] | str | None = None,
+           allow_unused: bool = True) -> onnx.ModelProto:
     """Jacobians ``d<y>_d<x>`` [y.shape + x.shape] from the JVP graph on every one-hot direction of x."""
-    return jacobian(model, wrt, of, mode="fwd")
+    return jacobian(model, wrt, of, mode="fwd", allow_unused=allow_unused)
 
 
 def jacobian(model: ModelLike, wrt: Sequence[str] | str, of: Sequence[str] | str | None = None,
-             mode: str = "rev") -> onnx.ModelProto:
+             mode: str = "rev", allow_unused: bool = True) -> onnx.ModelProto:
     """J[y][x] = dy/dx for every ``of`` output y and ``wrt`` tensor x, as outputs ``d<y>_d<x>``.
 
     ``mode="rev"``: one Loop over the rows (one-hot seeds of y) per output, cheap when outputs are
     small; ``"fwd"``: one Loop over the columns (one-hot directions of x) per wrt tensor, cheap
     when inputs are small. Shapes of x and y must be known. Metadata ``onnxgrad.jacobian``: {y: {x: name}}.
+    A block dy/dx where y does not depend on x is zeros, as in torch.func; ``allow_unused=False``: an
+    :class:`UnusedError` for a wrt tensor no output depends on (and, in mode "fwd", an output that
+    depends on no wrt tensor) instead.
     """
     if mode not in ("rev", "fwd"):
         raise OnnxGradError(f"mode must be 'rev' or 'fwd', not {mode!r}")
     wrt = _names(wrt)
     of = _names(of) if of is not None else None
     if mode == "rev":
-        dm = grad(model, wrt=wrt, of=of, allow_unused=True)
+        dm = grad(model, wrt=wrt, of=of, allow_unused=allow_unused)
         of = _meta(dm, "onnxgrad.of")
         seeds, results = _meta(dm, "onnxgrad.seeds"), _meta(dm, "onnxgrad.gradients")
         loops = [(seeds[y], y, [(results[x], x) for x in wrt]) for y in of]
     else:
-        dm = jvp(model, wrt=wrt, of=of, allow_unused=True)
+        dm = jvp(model, wrt=wrt, of=of, allow_unused=allow_unused)
         spec = tangent_spec(dm)
         of = list(spec["tangents"])
         loops = [(spec["tangent_inputs"][x], x, [(spec["tangents"][y], y) for y in of]) for x in wrt]
     return _Batched(dm, mode, [s for s, _, _ in loops]).build(loops, of, wrt)
 
 
-def hessian(model: ModelLike, wrt: Sequence[str] | str, loss: str | None = None) -> onnx.ModelProto:
+def hessian(model: ModelLike, wrt: Sequence[str] | str, loss: str | None = None,
+            allow_unused: bool = True) -> onnx.ModelProto:
     """d^2 L / dx_i dx_j as outputs ``d2<L>_d<x_i>_d<x_j>`` [x_i.shape + x_j.shape]: ``jacfwd(grad)``,
-    as torch.func.hessian."""
+    as torch.func.hessian (zero blocks for a wrt tensor L does not depend on; ``allow_unused=False``:
+    an :class:`UnusedError` for it instead)."""
     wrt = _names(wrt)
-    gm = grad(model, wrt=wrt, loss=loss, allow_unused=True)
+    gm = grad(model, wrt=wrt, loss=loss, allow_unused=allow_unused)
     loss_name = _meta(gm, "onnxgrad.loss")
     grads = _meta(gm, "onnxgrad.gradients")
     hm = jacobian(gm, wrt, of=[grads[x] for x in wrt], mode="fwd")

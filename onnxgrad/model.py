@@ -120,7 +120,25 @@ def load(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
                 f"{MIN_OPSET}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}; "
                 f"re-export it at opset {MIN_OPSET} or newer"
             ) from None
+    if model.ir_version < 4:        # (after the converter, which wants IR 3's inputs as they are)
+        _initializers_not_inputs(model)
     return model
+
+
+def _initializers_not_inputs(model: onnx.ModelProto) -> None:
+    """An IR-3 model made a model of its opset's IR. IR 3 (the onnx model zoo's opset 7 and 8 models) lists
+    every initializer as a graph input too; they are its weights, not inputs (onnxruntime takes no feed for
+    them below IR 4). They leave the input list, as a model written today holds them: the check perturbs
+    them as initializers, training updates them, and no feed is asked for."""
+    g = model.graph
+    weights = {t.name for t in g.initializer}
+    kept = [i for i in g.input if i.name not in weights]
+    if len(kept) < len(g.input):
+        del g.input[:]
+        g.input.extend(kept)
+    # the converter keeps the IR version; an upgraded opset needs a newer one
+    model.ir_version = max(model.ir_version, helper.find_min_ir_version_for(list(model.opset_import),
+                                                                          ignore_unknown=True))
 
 
 def _pads_on_every_axis(model: onnx.ModelProto) -> onnx.ModelProto:

@@ -257,8 +257,13 @@ class Node:
         return i in self._needed
 
     def attr(self, name: str, default: Any = None) -> Any:
-        """Attribute ``name``'s value (``default`` when absent); strings, and lists of them, decoded."""
-        v = self.attributes.get(name, default)
+        """Attribute ``name``'s value (``default`` when absent); strings, and lists of them, decoded.
+        A float default is rounded to float32, as an ONNX float attribute is and as runtimes read the
+        schema's default: LeakyRelu's alpha 0.01 is 0.0099999998 in a float64 model too (a float64
+        Python 0.01 put the gradients off by 2e-8 there)."""
+        if name not in self.attributes:
+            return float(np.float32(default)) if type(default) is float else default
+        v = self.attributes[name]
         if isinstance(v, bytes):
             return v.decode()
         if isinstance(v, list) and v and isinstance(v[0], bytes):

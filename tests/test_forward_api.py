@@ -15,7 +15,8 @@ import onnxgrad
 from harness import make_model, randn
 from onnxgrad import losses
 from onnxgrad.check import Runner, gradient_spec, run_float64
-from onnxgrad.forward import check_jvp, jvp, run_jvp, tangent_spec
+from onnxgrad.cli import run_jvp
+from onnxgrad.forward import check_jvp, jvp, tangent_spec
 from onnxgrad.funcs import hessian, hvp, jacfwd, jacobian, jacobian_spec, jacrev
 from test_models import EXPORTED, Exported
 
@@ -106,15 +107,45 @@ def test_user_errors(kwargs, error, match):
         jvp(_tiny(), **kwargs)
 
 
-def test_unused_and_unsupported():
-    nodes = [helper.make_node("Tanh", ["x"], ["y"]), helper.make_node("Floor", ["z"], ["w"])]
-    m = make_model(nodes, [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3]) for n in "xz"],
-                   [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3]) for n in "yw"])
+def _two_branches() -> onnx.ModelProto:
+    """y = tanh(x) [3]; w = floor(z) * z [n, 3] (symbolic n); d = Cast(z) to float64: y alone depends on x,
+    and z reaches w and d only."""
+    nodes = [helper.make_node("Tanh", ["x"], ["y"]), helper.make_node("Floor", ["z"], ["f"]),
+             helper.make_node("Mul", ["f", "z"], ["w"]), helper.make_node("Cast", ["z"], ["d"], to=TensorProto.DOUBLE)]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3]),
+                              helper.make_tensor_value_info("z", TensorProto.FLOAT, ["n", 3])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3]),
+                       helper.make_tensor_value_info("w", TensorProto.FLOAT, ["n", 3]),
+                       helper.make_tensor_value_info("d", TensorProto.DOUBLE, ["n", 3])])
+
+
+def test_unused_directions_and_outputs_follow_torch_func():
+    """As torch.func.jvp: an output no direction reaches has zero tangent, of its type and its run-time shape,
+    and a direction that reaches no output is fine. allow_unused=False is the strict check."""
+    m = _two_branches()
+    jm = jvp(m, ["x"])
+    _check_graph(jm)
+    feeds = {"x": randn(3), "z": randn(5, 3), "x_tangent": randn(3)}
+    out = Runner(jm)(feeds)
+    np.testing.assert_allclose(out["y_tangent"], (1 - np.tanh(feeds["x"]) ** 2) * feeds["x_tangent"], rtol=1e-5)
+    for y, dtype in (("w", np.float32), ("d", np.float64)):
+        t = out[f"{y}_tangent"]
+        assert t.dtype == dtype and t.shape == (5, 3) and not t.any(), y
+    types = {o.name: o.type.tensor_type for o in jm.graph.output}
+    assert types["d_tangent"].elem_type == TensorProto.DOUBLE
+    assert [d.dim_param or d.dim_value for d in types["w_tangent"].shape.dim] == ["n", 3]
+    jz = jvp(m, ["x", "z"], ["y"])                  # z's direction reaches no output through a derivative
+    out = Runner(jz)({**feeds, "z_tangent": randn(5, 3)})
+    np.testing.assert_allclose(out["y_tangent"], (1 - np.tanh(feeds["x"]) ** 2) * feeds["x_tangent"], rtol=1e-5)
+    errors, _ = check_jvp(m, jm, {"x": feeds["x"], "z": feeds["z"]}, run=run_float64)
+    assert all(e <= 1e-8 for e in errors.values()), errors
     with pytest.raises(onnxgrad.UnusedError, match="wrt 'z'"):
-        jvp(m, ["x", "z"], ["y"])
-    jm = jvp(m, ["x", "z"], ["y", "w"], allow_unused=True)
-    out = Runner(jm)({"x": randn(3), "z": randn(3), "x_tangent": randn(3), "z_tangent": randn(3)})
-    np.testing.assert_array_equal(out["w_tangent"], np.zeros(3, np.float32))
+        jvp(m, ["x", "z"], ["y"], allow_unused=False)
+    with pytest.raises(onnxgrad.UnusedError, match="output 'w'"):
+        jvp(m, ["x"], allow_unused=False)
+
+
+def test_unsupported_op():
     custom = make_model([helper.make_node("Foo", ["x"], ["y"], domain="my.domain")],
                         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
                         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
@@ -134,6 +165,14 @@ def test_cli(tmp_path, capsys):
 
     assert cli.main(["jvp", str(src), "--wrt", "nope"]) == 2
     assert "error: wrt 'nope'" in capsys.readouterr().err
+    two = tmp_path / "two.onnx"
+    onnx.save(_two_branches(), two)
+    assert cli.main(["jvp", str(two), "--wrt", "x", "--check"]) == 0      # zeros, as jvp's default
+    assert "w_tangent: worst relative error 0.00e+00" in capsys.readouterr().out
+    assert cli.main(["jvp", str(two), "--wrt", "x", "z", "--of", "y"]) == 0
+    assert "direction input z_tangent [n, 3]" in capsys.readouterr().out
+    assert cli.main(["jvp", str(two), "--wrt", "x", "--no-allow-unused"]) == 2
+    assert capsys.readouterr().err.startswith("error: output 'w' does not depend on x")
 
 
 # -- composition ---------------------------------------------------------------------------------
@@ -244,3 +283,47 @@ def test_hessian_matches_torch_func(torch_refs):
     for a in wrt:
         for b in wrt:
             np.testing.assert_allclose(out[blocks[a][b]], torch_refs[f"hessian/{a}/{b}"], rtol=1e-4, atol=1e-6)
+
+
+def test_unused_tensors_give_zero_blocks_in_the_torch_func_family():
+    """y = tanh(a x), c = 2 b, loss = sum(y^2), with b reaching neither y nor the loss: the blocks with b (and
+    dc/dx) are zeros of their shapes, as torch.func's; allow_unused=False is the strict check."""
+    a = np.array([0.5, -1.0, 2.0], np.float32)
+    nodes = [helper.make_node("Mul", ["x", "a"], ["ax"]), helper.make_node("Tanh", ["ax"], ["y"]),
+             helper.make_node("Add", ["b", "b"], ["c"]), helper.make_node("Mul", ["y", "y"], ["sq"]),
+             helper.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0)]
+    m = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                   [helper.make_tensor_value_info(n, TensorProto.FLOAT, s) for n, s in (("y", [3]), ("c", [2]),
+                                                                                         ("loss", []))],
+                   [onnx.numpy_helper.from_array(a, "a"), onnx.numpy_helper.from_array(randn(2), "b")])
+    x, v = randn(3), randn(3)
+    t = np.tanh(a * x)
+    dy_dx = np.diag(a * (1 - t * t))
+    d2 = 2 * a * a * (1 - t * t) * (1 - 3 * t * t)              # the Hessian of the loss in x is diagonal
+    for build in (jacfwd, jacrev):
+        jm = build(m, ["x", "b"], ["y", "c"])
+        _check_graph(jm)
+        out, spec = Runner(jm)({"x": x}), jacobian_spec(jm)
+        np.testing.assert_allclose(out[spec["y"]["x"]], dy_dx, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(out[spec["y"]["b"]], np.zeros((3, 2), np.float32))
+        np.testing.assert_array_equal(out[spec["c"]["x"]], np.zeros((2, 3), np.float32))
+        np.testing.assert_allclose(out[spec["c"]["b"]], 2 * np.eye(2), rtol=1e-6)
+    hm = hvp(m, ["x", "b"], loss="loss")
+    _check_graph(hm)
+    names = json.loads({p.key: p.value for p in hm.metadata_props}["onnxgrad.hvp"])
+    out = Runner(hm)({"x": x, "x_tangent": v, "b_tangent": randn(2)})
+    np.testing.assert_allclose(out[names["x"]], d2 * v, rtol=1e-4, atol=1e-6)
+    np.testing.assert_array_equal(out[names["b"]], np.zeros(2, np.float32))
+    hs = hessian(m, ["x", "b"], loss="loss")
+    _check_graph(hs)
+    blocks = json.loads({p.key: p.value for p in hs.metadata_props}["onnxgrad.hessian"])
+    out = Runner(hs)({"x": x})
+    np.testing.assert_allclose(out[blocks["x"]["x"]], np.diag(d2), rtol=1e-4, atol=1e-6)
+    for p, q, shape in (("x", "b", (3, 2)), ("b", "x", (2, 3)), ("b", "b", (2, 2))):
+        np.testing.assert_array_equal(out[blocks[p][q]], np.zeros(shape, np.float32))
+    for strict in (lambda: hvp(m, ["x", "b"], loss="loss", allow_unused=False),
+                   lambda: hessian(m, ["x", "b"], loss="loss", allow_unused=False),
+                   lambda: jacfwd(m, ["x", "b"], ["y"], allow_unused=False),
+                   lambda: jacrev(m, ["x", "b"], ["y"], allow_unused=False)):
+        with pytest.raises(onnxgrad.UnusedError, match="'b'"):
+            strict()

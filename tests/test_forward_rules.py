@@ -143,6 +143,12 @@ NATIVE = [
     Case("LayerNormalization", [randn(2, 3, 4), randn(4), randn(4)], id="last"),
     Case("LayerNormalization", [randn(2, 3, 4), randn(3, 4), randn(3, 4)], {"axis": 1}, outputs=3, id="stats"),
     Case("LayerNormalization", [randn(2, 4), randn(4)], wrt=[1], id="only-scale"),
+    # float64 x, float32 statistics (the default stash_type): exact in float64, to 1e-8
+    # (the Mean and InvStdDev outputs, rounded to float32, gave the tangent errors of 8e-8)
+    Case("LayerNormalization", [randn(2, 3, 4).astype(np.float64), randn(4).astype(np.float64),
+                                randn(4).astype(np.float64)], tol32=1e-8, tol64=1e-8, id="float64-stash-float"),
+    Case("LayerNormalization", [randn(2, 3, 4).astype(np.float64), randn(3, 4).astype(np.float64)], {"axis": 1},
+         tol32=1e-8, tol64=1e-8, unknown_shapes=True, id="float64-stash-float-dynamic"),
     Case("Dropout", [randn(3, 4)], id="inference"),
     Case("Dropout", [randn(3, 4), np.array(0.3, np.float32), np.array(False)], id="training-off"),
     Case("SoftmaxCrossEntropyLoss", [randn(4, 3), np.array([0, 2, 1, 2], I64)], id="mean"),
@@ -170,6 +176,8 @@ def test_every_native_rule_has_cases():
 FALLBACK = [
     Case("Softplus", [randn(3, 4)]),
     Case("LeakyRelu", [off_kinks(3, 4)], {"alpha": 0.2}),
+    # float64, the default alpha: the float32 0.01 the forward uses (a float64 0.01 was off by 2e-8)
+    Case("LeakyRelu", [-positive(3, 4).astype(np.float64)], tol32=1e-9, tol64=1e-9, id="float64-default-alpha"),
     Case("Elu", [off_kinks(3, 4)]),
     Case("HardSigmoid", [off_kinks(3, 4)]),
     Case("Clip", [off_kinks(3, 4), np.array(-0.3, np.float32), np.array(0.4, np.float32)], wrt=[0]),

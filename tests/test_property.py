@@ -1,7 +1,8 @@
 """Property test: random small graphs over the op set, static and symbolic dims.
 
 Each graph's gradient must pass the checker, load and run in onnxruntime with its default
-optimizations, and match float64 central differences (onnxgrad.check). A refusal
+optimizations, and match float64 central differences (onnxgrad.check); likewise each forward-mode
+graph's jvp (outputs that depend on no direction, directions that reach no output). A refusal
 (UnsupportedOpError) is allowed but recorded with its reason; ``bench/property_run.py`` runs
 thousands and prints the tally. The CI count is bounded by ONNXGRAD_PROPERTY_COUNT (default 40).
 """
@@ -18,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
 from onnxgrad.check import check, run_float64
+from onnxgrad.forward import check_jvp
 
 F = TensorProto.FLOAT
 
@@ -61,19 +63,36 @@ class _Graph:
         return self.add("Reshape", [y, self.const(np.zeros(len(self.shapes[y]), np.int64))], self.shapes[y])
 
 
-def _step(g: _Graph, x: str, pool: list[str]) -> tuple[str, str]:
-    """One random op applied to x; returns (output, op description)."""
+OPS = ["Tanh", "Sigmoid", "Sin", "Mul", "Add", "MatMul", "Transpose", "Reshape", "Concat", "Slice", "Gather", "Pad",
+       "ReduceSum", "ReduceMean", "Unsqueeze", "Softmax", "LayerNormalization", "Expand", "Tile", "Split",
+       "GatherElements", "Where", "GatherND", "AveragePool"]
+# the forward-mode graphs draw from these too (the ops of issue 26's inexact tangent)
+FORWARD_OPS = ["Div", "Cosh", "LeakyRelu"]
+
+
+def _step(g: _Graph, x: str, pool: list[str], ops: list[str] = OPS) -> tuple[str, str]:
+    """One random op of ``ops`` applied to x; returns (output, op description)."""
     rng, s = g.rng, g.shapes[x]
     r = len(s)
-    op = rng.choice(["Tanh", "Sigmoid", "Sin", "Mul", "Add", "MatMul", "Transpose", "Reshape", "Concat", "Slice",
-                     "Gather", "Pad", "ReduceSum", "ReduceMean", "Unsqueeze", "Softmax", "LayerNormalization",
-                     "Expand", "Tile", "Split", "GatherElements", "Where", "GatherND", "AveragePool"])
+    op = rng.choice(ops)
     if r == 0 or min(s) == 0:
         return g.add("Tanh", [x], s), "Tanh"
     ax = int(rng.integers(-r, r))
     a = ax % r
-    if op in ("Tanh", "Sigmoid", "Sin"):
+    if op in ("Tanh", "Sigmoid", "Sin", "Cosh"):
         return g.add(op, [x], s), op
+    if op == "LeakyRelu":
+        attrs = {"alpha": 0.1} if rng.random() < 0.5 else {}        # else the default, 0.01
+        return g.add("LeakyRelu", [x], s, **attrs), "LeakyRelu"
+    if op == "Div":         # by a weight away from 0, or by 1 + p^2 for another tensor p of x's shape
+        others = [p for p in pool if g.shapes[p] == s and p != x]
+        if others and rng.random() < 0.5:
+            p = str(rng.choice(others))
+            one = g.const(np.ones((), np.float32))
+            return g.add("Div", [x, g.add("Add", [g.add("Mul", [p, p], s), one], s)], s), "Div(1 + p^2)"
+        k = int(rng.integers(0, r + 1))
+        w = rng.uniform(0.5, 1.5, s[r - k:]) * rng.choice([-1.0, 1.0], s[r - k:])
+        return g.add("Div", [x, g.const(w.astype(np.float32))], s), "Div"
     if op in ("Mul", "Add"):
         others = [p for p in pool if g.shapes[p] == s and p != x]
         if others and rng.random() < 0.5:
@@ -258,6 +277,73 @@ def run_one(seed: int, symbolic: bool) -> tuple[str, str]:
     return "ok", label
 
 
+def random_forward_case(seed: int, symbolic: bool) -> tuple[onnx.ModelProto, dict, list[str], list[str]]:
+    """A random model for forward mode: inputs x0 and x1 (one shape), a branch of ops from each (reading the
+    other's tensors, or not), a branch of weights alone, and several outputs; directions at a random subset of
+    the inputs, weights and an intermediate tensor. So some outputs depend on no direction (torch.func.jvp: zero
+    tangents) and some directions reach no output. Returns the model, its feeds, wrt and the op sequence."""
+    rng = np.random.default_rng(seed)
+    opset = int(rng.choice([13, 17, 18]))
+    g = _Graph(rng, opset, symbolic)
+    r = int(rng.integers(1, 4))
+    shape = tuple(int(d) for d in rng.integers(2, 5, size=r))
+    mixed = rng.random() < 0.5
+    every = ["x0", "x1"]
+    pools = {"x0": every if mixed else ["x0"], "x1": every if mixed else ["x1"]}
+    ops, heads = [], []
+    g.shapes.update({"x0": shape, "x1": shape})
+    for x in ("x0", "x1"):
+        h = x
+        for _ in range(int(rng.integers(1, 4))):
+            h, what = _step(g, h, pools[x], OPS + FORWARD_OPS)
+            pools[x].append(h)
+            ops.append(f"{x}:{what}")
+        heads.append(h)
+    if rng.random() < 0.5:      # an output of the weights alone
+        heads.append(g.add("Sigmoid", [g.const(rng.standard_normal(shape).astype(np.float32))], shape))
+        ops.append("Sigmoid(weight)")
+    inner = [o for node in g.nodes for o in node.output if o in g.shapes and o not in g.rank_unknown]
+    if rng.random() < 0.3:      # an intermediate tensor as an output too
+        heads.append(str(rng.choice(inner)))
+    dims = [f"d{i}" if rng.random() < 0.7 else None for i in range(r)] if symbolic else list(shape)
+    outputs = [helper.make_tensor_value_info(y, F, [f"{y}_{i}" for i in range(len(g.shapes[y]))] if symbolic
+                                             else list(g.shapes[y])) for y in dict.fromkeys(heads)]
+    m = helper.make_model(helper.make_graph(g.nodes, f"forward{seed}",
+                                            [helper.make_tensor_value_info(x, F, dims) for x in ("x0", "x1")],
+                                            outputs, g.inits), opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    wrt = [x for x in ("x0", "x1") if rng.random() < 0.6] or [str(rng.choice(["x0", "x1"]))]
+    wrt += [t.name for t in g.inits if t.data_type == F and rng.random() < 0.3]
+    if rng.random() < 0.3:
+        wrt.append(str(rng.choice(inner)))
+    feeds = {x: rng.standard_normal(shape).astype(np.float32) for x in ("x0", "x1")}
+    return m, feeds, list(dict.fromkeys(wrt)), ops
+
+
+def run_one_forward(seed: int, symbolic: bool, allow_unused: bool = True) -> tuple[str, str]:
+    """('ok' | 'refused' | 'unused' | 'invalid' | 'wrong', detail) for jvp on a random forward-mode graph.
+    'unused': the UnusedError of allow_unused=False (jvp's default before issue 26)."""
+    m, feeds, wrt, ops = random_forward_case(seed, symbolic)
+    label = f"seed {seed} {'symbolic' if symbolic else 'static'} wrt {wrt}: {' -> '.join(ops)}"
+    try:
+        jm = onnxgrad.jvp(m, wrt=wrt, allow_unused=allow_unused)
+    except onnxgrad.UnsupportedOpError as e:
+        return "refused", f"{label}: {e}"
+    except onnxgrad.UnusedError as e:
+        return "unused", f"{label}: {e}"
+    try:
+        onnx.checker.check_model(jm, full_check=True)
+        ort.InferenceSession(jm.SerializeToString(), providers=["CPUExecutionProvider"])  # default optimizations
+        errors, _ = check_jvp(m, jm, feeds)
+    except Exception as e:
+        return "invalid", f"{label}: {type(e).__name__}: {str(e).strip().splitlines()[0][:300]}"
+    if not all(np.isfinite(e) and e <= 5e-3 for e in errors.values()):
+        errors, _ = check_jvp(m, jm, feeds, run=run_float64)   # float32 rounding, or a wrong formula
+        if not all(np.isfinite(e) and e <= 1e-4 for e in errors.values()):
+            return "wrong", f"{label}: {errors}"
+    return "ok", label
+
+
 COUNT = int(os.environ.get("ONNXGRAD_PROPERTY_COUNT", "40"))
 
 
@@ -268,6 +354,19 @@ def test_random_graphs(symbolic):
         kind, detail = run_one(seed, symbolic)
         tally[kind] += 1
         if kind in ("wrong", "invalid"):
+            bad.append(detail)
+    assert not bad, "\n".join(bad)
+    assert tally["ok"] >= COUNT // 4, tally
+
+
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
+def test_random_graphs_forward_mode(symbolic):
+    """jvp on random graphs where outputs may depend on no direction and directions may reach no output."""
+    tally, bad = Counter(), []
+    for seed in range(COUNT // 2):
+        kind, detail = run_one_forward(seed, symbolic)
+        tally[kind] += 1
+        if kind in ("wrong", "invalid", "unused"):
             bad.append(detail)
     assert not bad, "\n".join(bad)
     assert tally["ok"] >= COUNT // 4, tally

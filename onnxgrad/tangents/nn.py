@@ -1,7 +1,7 @@
 """Tangents of softmax, pooling, normalization, dropout and the cross-entropy loss."""
 from __future__ import annotations
 
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from ..builder import TensorInfo, Var, total
 from .base import TNode, defjvp, linear_tangent
@@ -75,6 +75,9 @@ def layer_normalization(t: TNode):
     """y = xh * s + b,  xh = (x - mu) * r,  mu, r = the Mean and InvStdDev over axes a..rank-1:
     d xh = r * (dx - mean(dx) - xh * mean(xh * dx));   d y = d xh * s + xh * ds + db
     d mu = mean(dx);   d r = -r^2 * mean(xh * dx)
+    mu and r are the node's Mean and InvStdDev outputs, unless they are stored in fewer bits than x (a float64
+    x with the default float32 stash_type: y is computed from statistics in x's precision, the outputs are
+    rounded): then they are computed again from x, r = (mean((x - mu)^2) + epsilon)^-1/2.
     """
     x, s = t.inputs[:2]
     if x.rank is None:
@@ -83,13 +86,19 @@ def layer_normalization(t: TNode):
     wanted = [k < len(t.proto.output) and bool(t.proto.output[k]) for k in range(3)]
     axes = list(range(_axis(t, -1) % x.rank, x.rank))
     stash = int(t.attr("stash_type", TensorProto.FLOAT))
-    stats = []
-    for k, hint in ((1, "Mean"), (2, "InvStdDev")):
-        v = t.expose_output(k, hint)
-        if v.dtype is None:
-            t.b.infos[v.name] = TensorInfo(stash, None)
-        stats.append(v)
-    mu, r = (t.b.cast_like(v, x) for v in stats)
+    if _bits(stash) < _bits(x.dtype):
+        mu = t.b.reduce("ReduceMean", x, axes)
+        centred = x - mu
+        r = t.op.Reciprocal(t.op.Sqrt(t.b.reduce("ReduceMean", centred * centred, axes) + t.attr("epsilon", 1e-5)))
+        stats = [t.outputs[k] if wanted[k] else None for k in (1, 2)]
+    else:
+        stats = []
+        for k, hint in ((1, "Mean"), (2, "InvStdDev")):
+            v = t.expose_output(k, hint)
+            if v.dtype is None:
+                t.b.infos[v.name] = TensorInfo(stash, None)
+            stats.append(v)
+        mu, r = (t.b.cast_like(v, x) for v in stats)
     xh = (x - mu) * r
     dy = d_mu = d_r = None
     if dx is not None:
@@ -102,6 +111,11 @@ def layer_normalization(t: TNode):
     for k, d in ((1, d_mu), (2, d_r)):
         tangents.append(t.b.cast_like(d, stats[k - 1]) if wanted[k] and d is not None else None)
     return tangents
+
+
+def _bits(dtype: int | None) -> int:
+    """Bits of a float element type (0 when unknown: nothing is narrower)."""
+    return 8 * helper.tensor_dtype_to_np_dtype(dtype).itemsize if dtype else 0
 
 
 @defjvp("Dropout")
