@@ -46,10 +46,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-import numpy as np
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_step as B  # noqa: E402  (sets the thread environment before torch is imported)
+import bench_step as B  # noqa: E402  (sets the thread environment before numpy and torch are imported)
+import numpy as np  # noqa: E402
 
 # the models, and tiny ones of the same builders for --smoke
 MODELS: dict[str, Callable[[], B.Bench]] = {
