@@ -285,13 +285,14 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 # -- where a ResNet-18 step's time goes ----------------------------------------------------------------
 def _steady(path: str, skip_runs: int) -> str:
     """The profile at ``path`` without its first ``skip_runs`` runs (cuDNN's algorithm search, the arena's
-    growth), written beside it."""
+    growth), written to $OUT when set, else beside it."""
     with open(path) as f:
         events = json.load(f)
     starts = sorted(e["ts"] for e in events if e.get("cat") == "Session" and e.get("name") == "model_run")
     cut = starts[skip_runs] if len(starts) > skip_runs else float("inf")
     kept = [e for e in events if e.get("cat") != "Node" or e["ts"] >= cut]
-    steady = path.replace(".json", "_steady.json")
+    steady = os.path.join(os.environ.get("OUT") or os.path.dirname(path),
+                          os.path.basename(path).replace(".json", "_steady.json"))
     with open(steady, "w") as f:
         json.dump(kept, f)
     return steady
@@ -303,7 +304,7 @@ def profile(dev: C.Device, smoke: bool, reps: int, warmup: int) -> None:
 
     bench = (C.SMOKE_MODELS if smoke else C.MODELS)["resnet18_224_b64"]()
     feeds = {**bench.feeds, **bench.target}
-    prefix = os.path.join(os.environ.get("OUT") or tempfile.gettempdir(), "resnet18_step")
+    prefix = os.path.join(tempfile.gettempdir(), "resnet18_step")     # the steady part goes to $OUT
     for train_mode in (True, False):
         so = dev.session_options()
         so.enable_profiling = True
