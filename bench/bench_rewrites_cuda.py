@@ -8,7 +8,9 @@ Indices are read), and each candidate form of it is built:
 
 - input gradient: the canonical ``ConvTranspose``; the CPU rewrites ``conv_input_grad_flipped`` (a Conv
   with the transposed, reversed kernel, stride 1) and ``conv_input_grad_col2im`` (one Gemm and Col2Im);
-  and ``dilated_flipped``, defined here: dy with stride-1 zeros between its elements, then that Conv;
+  and two forms of a strided Conv's, defined here: ``dilated_flipped`` (dy with stride - 1 zeros between its
+  elements, then that Conv) and ``phase_convs`` (one stride-1 Conv whose output channels are dx's s x s
+  phases, interleaved by DepthToSpace: no products with inserted zeros);
 - weight gradient: the canonical swapped-role Conv; the CPU rewrite ``conv_weight_grad_patches`` (one-hot
   Conv patches and a Gemm);
 - max-pool gradient: the canonical scatter at the forward's Indices; the CPU rewrite ``max_pool_taps``.
@@ -111,9 +113,62 @@ DILATED_FLIPPED = Rewrite(
     "dilated_flipped", "ConvTranspose", _dilated_pattern, _dilated_check, _dilated_replacement,
     "a strided Conv's input gradient as a Conv over zero-dilated dy with the transposed, reversed kernel")
 
+# -- a candidate defined here: the strided input gradient as one stride-1 Conv per output phase -----------
+def _phase_check(view: GraphView, m: Match) -> str | None:
+    why = _dilated_check(view, m)
+    if why is None and len(view.shape(m.w)) != 4:
+        return "DepthToSpace interleaves two spatial axes: a 2-D convolution only"
+    if why is None and len(set(view.attr(m.root, "strides"))) != 1:
+        return "DepthToSpace takes one block size: the same stride along both axes only"
+    return why
+
+
+def _phase_taps(k: int, s: int, p: int) -> tuple[int, np.ndarray]:
+    """Along one axis: the phase kernels' size U and which tap each uses, ``taps[t, a, u]`` = 1 where phase a's
+    kernel at u is w's tap t. dx[s j + a] = sum_q dy[j - q] w[s q + a + p] over the q with 0 <= s q + a + p < k;
+    as a correlation over dy padded by q_max before, u = q_max - q."""
+    q_max, q_min = (k - 1 - p) // s, -((s - 1 + p) // s)
+    size = q_max - q_min + 1
+    taps = np.zeros((k, s, size))
+    for a in range(s):
+        for u in range(size):
+            t = s * (q_max - u) + a + p
+            if 0 <= t < k:
+                taps[t, a, u] = 1.0
+    return size, taps
+
+
+def _phase_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """ConvTranspose(dy, w, strides s, pads p) = DepthToSpace(Conv(dy, phases)): each of the s x s phases of
+    dx (its rows and columns = a mod s) is a stride-1 correlation of dy with the taps of w that reach it; the
+    phases' kernels are one Conv's output channels (C s^2, taps gathered from w by one MatMul with a constant
+    0/1 matrix), DepthToSpace (CRD) interleaves them, and a Slice cuts dx's size. No zeros are multiplied
+    but the phases' padding to one kernel size (3x3/2: 2x2 per phase, 16 products where ConvTranspose has 9)."""
+    (out_ch, c, *kernel), (_, _, *o), (_, _, *image) = view.shape(m.w), view.shape(m.dy), view.shape(m.outputs[0])
+    s, pads = view.attr(m.root, "strides")[0], view.attr(m.root, "pads", [0, 0, 0, 0])[:2]
+    (u1, t1), (u2, t2) = (_phase_taps(k, s, p) for k, p in zip(kernel, pads))
+    select = np.einsum("iau,jbv->ijabuv", t1, t2).reshape(kernel[0] * kernel[1], s * s * u1 * u2)
+    phases = b.op.MatMul(b.op.Reshape(b.var(m.w), b.ints([out_ch * c, kernel[0] * kernel[1]])),
+                         b.const(select, b.var(m.w).dtype))                               # [M C, s s U1 U2]
+    phases = b.op.Transpose(b.op.Reshape(phases, b.ints([out_ch, c, s, s, u1, u2])), perm=[1, 2, 3, 0, 4, 5])
+    phases = b.op.Reshape(phases, b.ints([c * s * s, out_ch, u1, u2]))
+    before = [(k - 1 - p) // s for k, p in zip(kernel, pads)]
+    rows = [-(-x // s) for x in image]                                                      # ceil(x / s)
+    after = [max(0, r - y - lo + u - 1) for r, y, lo, u in zip(rows, o, before, (u1, u2))]
+    out = b.op.Conv(b.var(m.dy), phases, pads=before + after)
+    out = b.op.DepthToSpace(b.op.Slice(out, b.ints([0, 0]), b.ints(rows), b.ints([2, 3])), blocksize=s, mode="CRD")
+    if any(r * s != x for r, x in zip(rows, image)):
+        out = b.op.Slice(out, b.ints([0, 0]), b.ints(image), b.ints([2, 3]))
+    return [out]
+
+
+PHASES = Rewrite(
+    "phase_convs", "ConvTranspose", _dilated_pattern, _phase_check, _phase_replacement,
+    "a strided Conv's input gradient as one stride-1 Conv over dy per output phase, interleaved by DepthToSpace")
+
 # the forms timed against the canonical one, per gradient
 FORMS: dict[str, list[Rewrite]] = {
-    "x_grad": [REWRITES["conv_input_grad_flipped"], REWRITES["conv_input_grad_col2im"], DILATED_FLIPPED],
+    "x_grad": [REWRITES["conv_input_grad_flipped"], REWRITES["conv_input_grad_col2im"], DILATED_FLIPPED, PHASES],
     "w_grad": [REWRITES["conv_weight_grad_patches"]],
     "pool_grad": [REWRITES["max_pool_taps"]],
 }
