@@ -5,10 +5,10 @@
 #     bash bench/gpu_run.sh              # logs and JSON under $OUT
 #
 # Parts, each under `timeout` and all within TOTAL_S seconds (default 470: under 8 minutes on an H200):
-#   0. bench/gpu_correctness.py, when it exists (issue 24's checks), capped at CORRECTNESS_S (120);
-#   1. bench/bench_step_cuda.py: every model's step against PyTorch eager / torch.compile, STEP_S (210);
-#   2. bench/bench_rewrites_cuda.py --profile: the gradient forms per shape and the ResNet-18 profile,
-#      REWRITES_S (120).
+#   0. bench/gpu_correctness.py, when it exists (issue 24's checks), capped at CORRECTNESS_S (110);
+#   1. bench/bench_step_cuda.py: every model's step against PyTorch eager / torch.compile, STEP_S (200);
+#   2. bench/bench_rewrites_cuda.py: the gradient forms per shape, FORMS_S (90);
+#   3. bench/bench_rewrites_cuda.py --only-profile: where ResNet-18's step spends its time, PROFILE_S (60).
 # Each part prints its elapsed time; a part cut by its cap keeps the rows it printed.
 # `bash bench/gpu_run.sh --smoke` runs the same parts with tiny shapes on the CPU (no .gpu, any machine).
 set -u
@@ -19,9 +19,10 @@ OUT=${OUT:-/tmp/gpu_run_out}
 mkdir -p "$OUT"
 PYTHON=${PYTHON:-python3}
 TOTAL_S=${TOTAL_S:-470}
-CORRECTNESS_S=${CORRECTNESS_S:-120}
-STEP_S=${STEP_S:-210}
-REWRITES_S=${REWRITES_S:-120}
+CORRECTNESS_S=${CORRECTNESS_S:-110}
+STEP_S=${STEP_S:-200}
+FORMS_S=${FORMS_S:-90}
+PROFILE_S=${PROFILE_S:-60}
 START=$SECONDS
 
 if [[ -z "$SMOKE" ]]; then
@@ -61,5 +62,6 @@ fi
 # the issue's two hardest models first: a run cut short still has them
 run step "$STEP_S" "$PYTHON" bench/bench_step_cuda.py $SMOKE --budget-s $((STEP_S - 60)) --json "$OUT/step.json" \
   resnet18_224_b64 transformer_d768 mlp_b2048 mlp_b64 cnn_b32 transformer_d256
-run rewrites "$REWRITES_S" "$PYTHON" bench/bench_rewrites_cuda.py $SMOKE --profile --reps 10 --json "$OUT/rewrites.json"
+run forms "$FORMS_S" "$PYTHON" bench/bench_rewrites_cuda.py $SMOKE --reps 10 --json "$OUT/forms.json"
+run profile "$PROFILE_S" "$PYTHON" bench/bench_rewrites_cuda.py $SMOKE --only-profile --reps 10
 echo "== all parts: $((SECONDS - START))s; logs in $OUT"
