@@ -21,8 +21,12 @@ build and warm-up. onnxruntime exposes no arena statistics in Python, and nvidia
 whole (PyTorch's cache included), so onnxgrad's is the drop of the device's free memory
 (``torch.cuda.mem_get_info``) over building the TrainingSession, putting the batch on the device and its
 warm-up steps, with PyTorch's cache emptied before: onnxruntime's arena only grows, so the drop is the
-most it reserved (rounded up by the arena's power-of-two growth), plus the session's cuDNN/cuBLAS
-workspaces; a tiny CUDA session primed first keeps the one-off library loads out of it.
+most it reserved (rounded up by the arena's power-of-two growth; compare it with PyTorch's reserved), plus
+the session's cuDNN/cuBLAS workspaces; a tiny CUDA session primed first keeps the one-off library loads out
+of it. The session's own buffers (weights, optimizer state, the batch) are OrtValues from onnxruntime's
+process-wide CUDA allocator, an arena that keeps what earlier models freed: the first model's figure is
+whole, a later one's can miss up to what the earlier models' buffers took (ResNet-18's: about 0.25 GB), so
+the GPU run measures the two large models first.
 
 The batch is given to ``step`` as device OrtValues where the session takes them without reading them back
 to host memory (checked at run time: ``OrtValue.__array__``/``numpy`` must not be called on them), else
@@ -116,21 +120,27 @@ class Result:
     error: str | None = None
 
 
+def _refuse(why: str) -> None:
+    """One ``error:`` line on stderr and exit status 2, as onnxgrad's command line does."""
+    print(f"error: {why}", file=sys.stderr)
+    raise SystemExit(2)
+
+
 def cuda_device(ort_options: dict[str, str]) -> Device:
-    """The CUDA device, or SystemExit(2) saying what is missing."""
+    """The CUDA device, or exit 2 saying what is missing."""
     import onnxruntime as ort
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        raise SystemExit(f"error: onnxruntime {ort.__version__} has no CUDAExecutionProvider (providers: "
-                         f"{', '.join(ort.get_available_providers())}): install onnxruntime-gpu (on the GPU machine: "
-                         "source .gpu/b/env.sh), or run --smoke for the CPU check of this script")
+        _refuse(f"onnxruntime {ort.__version__} has no CUDAExecutionProvider (providers: "
+                f"{', '.join(ort.get_available_providers())}): install onnxruntime-gpu (on the GPU machine: "
+                "source .gpu/b/env.sh), or run --smoke for the CPU check of this script")
     try:
         import torch
     except ImportError:
-        raise SystemExit("error: PyTorch is not importable: it is the baseline, and its device-wide "
-                         "synchronisation times both frameworks") from None
+        _refuse("PyTorch is not importable: it is the baseline, and its device-wide synchronisation times "
+                "both frameworks")
     if not torch.cuda.is_available():
-        raise SystemExit("error: torch.cuda.is_available() is False: no GPU the baselines can run on")
+        _refuse("torch.cuda.is_available() is False: no GPU the baselines can run on")
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
 
@@ -236,14 +246,28 @@ def measure(label: str, bench: B.Bench, dev: Device, reps: int, warmup: int, com
     runs: dict[str, Callable[[], Any]] = {}
 
     # onnxgrad: build, first step, warm-up; the device memory it took
+    def session(train_mode: bool) -> tuple[Any, dict[str, Any], str, float, str]:
+        t0 = time.perf_counter()
+        ts = TrainingSession(bench.forward, loss=bench.loss, optimizer=optim.AdamW(lr=1e-3), train_mode=train_mode,
+                             providers=dev.providers, session_options=dev.session_options())
+        r.build_s = time.perf_counter() - t0
+        if ts.device != dev.kind:
+            raise RuntimeError(f"the TrainingSession runs on {ts.device}, not {dev.kind}")
+        return (ts, *device_batch(ts, feeds, dev))
+
     free0 = dev.free_bytes()
-    t0 = time.perf_counter()
-    ts = TrainingSession(bench.forward, loss=bench.loss, optimizer=optim.AdamW(lr=1e-3), providers=dev.providers,
-                         session_options=dev.session_options())
-    r.build_s = time.perf_counter() - t0
-    if ts.device != dev.kind:
-        raise RuntimeError(f"the TrainingSession runs on {ts.device}, not {dev.kind}")
-    batch, r.batch, r.first_loss["onnxgrad"], note = device_batch(ts, feeds, dev)
+    try:
+        ts, batch, r.batch, r.first_loss["onnxgrad"], note = session(train_mode=True)
+    except Exception as e:
+        if not any(n.op_type == "BatchNormalization" for n in bench.forward.graph.node):
+            raise
+        # onnxruntime's CUDA batch norm refuses training_mode=1 at opset >= 14: time the frozen-BN step, and say so
+        r.notes.append(f"FROZEN BATCH NORM: the train-mode step did not run ({type(e).__name__}: "
+                       f"{' '.join(str(e).split())[:160]}); the step is train_mode=False, PyTorch's in train mode")
+        gc.collect()
+        free0 = dev.free_bytes()
+        ts, batch, r.batch, r.first_loss["onnxgrad"], note = session(train_mode=False)
+        r.batch += "*"
     r.notes.append(note)
     runs["step"] = lambda: ts.step(batch)
     for _ in range(warmup):

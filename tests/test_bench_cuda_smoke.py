@@ -78,7 +78,7 @@ def test_the_default_mode_refuses_without_the_cuda_provider():
         pytest.skip("this onnxruntime has the CUDA provider")
     for script in ("bench_step_cuda.py", "bench_rewrites_cuda.py"):
         proc = _run(os.path.join(BENCH, script))
-        assert proc.returncode != 0
+        assert proc.returncode == 2
         assert "error: onnxruntime" in proc.stderr and "no CUDAExecutionProvider" in proc.stderr, proc.stderr
 
 
