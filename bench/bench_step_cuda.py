@@ -368,6 +368,21 @@ def print_result(r: Result) -> None:
         print(f"    {note}", flush=True)
 
 
+def print_markdown(results: list[Result], device_name: str) -> None:
+    """The rows as the README's table: median [min] ms, ratios of medians, peak memory."""
+    print(f"\n| model ({device_name}) | forward ms | onnxgrad step ms | PyTorch eager ms | torch.compile ms | "
+          "onnxgrad / eager | step / forward | memory MB, ours / eager (reserved) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        m = r.memory_mb
+        memory = (f"{m['onnxgrad']:.0f} / {m['eager']:.0f} ({m['eager_reserved']:.0f})" if "eager_reserved" in m
+                  else "-")
+        frozen = " (frozen BN)" if r.batch.endswith("*") else ""
+        print(f"| {r.label}{frozen} | {_cell(r, 'forward')} | {_cell(r, 'step')} | {_cell(r, 'eager')} | "
+              f"{_cell(r, 'compile')} | {_ratio(r, 'step', 'eager')} | {_ratio(r, 'step', 'forward')} | {memory} |",
+              flush=True)
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="*", metavar="MODEL", help=f"some of {', '.join(MODELS)} (default: all)")
@@ -406,6 +421,7 @@ def main(argv: list[str]) -> int:
             dev.torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
             versions += (f" on {dev.torch.cuda.get_device_name()}, TF32 off on both, cudnn.benchmark "
                          f"{'off' if args.no_cudnn_benchmark else 'on'}; onnxruntime CUDA options {dev.providers[0][1]}")
+    device_name = dev.torch.cuda.get_device_name() if dev.kind == "cuda" else "CPU (smoke)"
     print(f"{'SMOKE (tiny shapes, CPU): ' if args.smoke else ''}{versions}; median [min] of {reps} interleaved, "
           f"device-synchronised runs after {warmup} warm-up, in ms", flush=True)
     print(HEADER, flush=True)
@@ -427,6 +443,7 @@ def main(argv: list[str]) -> int:
             dev.torch.cuda.empty_cache()
     print(f"done: {sum(r.error is None for r in results)} of {len(names)} models measured in "
           f"{time.perf_counter() - start:.0f} s", flush=True)
+    print_markdown([r for r in results if r.error is None], device_name)
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.__dict__ for r in results], f, indent=1)

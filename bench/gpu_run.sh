@@ -4,6 +4,10 @@
 #
 #     bash bench/gpu_run.sh              # logs and JSON under $OUT
 #
+# From a session here: `bash ../shared/gpu/prepare.sh` once (writes .gpu/a and .gpu/b, ignored by git), then two
+# device calls back to back: `bash .gpu/a/install.sh` carrying .gpu/a, and `bash bench/gpu_run.sh` carrying .gpu/b
+# (timeout about 540 s). The tables to copy are at the end of step.log (markdown) and in forms.log.
+#
 # Parts, each under `timeout` and all within TOTAL_S seconds (default 470: under 8 minutes on an H200):
 #   0. bench/gpu_correctness.py, when it exists (issue 24's checks), capped at CORRECTNESS_S (110);
 #   1. bench/bench_step_cuda.py: every model's step against PyTorch eager / torch.compile, STEP_S (200);
