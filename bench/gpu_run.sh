@@ -13,7 +13,8 @@
 #   1. bench/bench_step_cuda.py: every model's step against PyTorch eager / torch.compile, STEP_S (200);
 #   2. bench/bench_rewrites_cuda.py: the gradient forms per shape, FORMS_S (90);
 #   3. bench/bench_rewrites_cuda.py --only-profile: where ResNet-18's step spends its time, PROFILE_S (60).
-# Each part prints its elapsed time; a part cut by its cap keeps the rows it printed.
+# Each part prints its elapsed time; a part cut by its cap keeps the rows it printed. STEP_ARGS and FORMS_ARGS
+# add options to parts 1 and 2 (e.g. STEP_ARGS="--ort-option cudnn_conv_algo_search=HEURISTIC").
 # `bash bench/gpu_run.sh --smoke` runs the same parts with tiny shapes on the CPU (no .gpu, any machine).
 set -u
 cd "$(dirname "$0")/.."
@@ -48,7 +49,7 @@ run() {
   local left=$((TOTAL_S - (SECONDS - START)))
   (( cap > left )) && cap=$left
   if (( cap < 10 )); then
-    echo "== $name: skipped, ${left}s of the ${TOTAL_S}s budget left" | tee "$OUT/$name.log"
+    echo "== $name: skipped, a cap of ${cap}s (${left}s of the ${TOTAL_S}s budget left)" | tee "$OUT/$name.log"
     return
   fi
   echo "== $name (cap ${cap}s): $*"
@@ -64,8 +65,12 @@ if [[ -f bench/gpu_correctness.py ]]; then
   run correctness "$CORRECTNESS_S" "$PYTHON" bench/gpu_correctness.py $SMOKE
 fi
 # the issue's two hardest models first: a run cut short still has them
-run step "$STEP_S" "$PYTHON" bench/bench_step_cuda.py $SMOKE --budget-s $((STEP_S - 60)) --json "$OUT/step.json" \
+# shellcheck disable=SC2086  # $SMOKE, STEP_ARGS and FORMS_ARGS split into words on purpose
+# no model starts in the part's last minute (a model takes up to a minute: torch.compile's)
+run step "$STEP_S" "$PYTHON" bench/bench_step_cuda.py $SMOKE ${STEP_ARGS:-} \
+  --budget-s $((STEP_S > 120 ? STEP_S - 60 : STEP_S / 2)) --json "$OUT/step.json" \
   resnet18_224_b64 transformer_d768 mlp_b2048 mlp_b64 cnn_b32 transformer_d256
-run forms "$FORMS_S" "$PYTHON" bench/bench_rewrites_cuda.py $SMOKE --reps 10 --json "$OUT/forms.json"
+# shellcheck disable=SC2086
+run forms "$FORMS_S" "$PYTHON" bench/bench_rewrites_cuda.py $SMOKE ${FORMS_ARGS:-} --reps 10 --json "$OUT/forms.json"
 run profile "$PROFILE_S" "$PYTHON" bench/bench_rewrites_cuda.py $SMOKE --only-profile --reps 10
 echo "== all parts: $((SECONDS - START))s; logs in $OUT"
