@@ -472,11 +472,11 @@ def training_session(bench: Bench, profile: str | None = None, recompute: bool =
 
 def gradient_model(bench: Bench, target: str | None = "cpu") -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The step without its update, and the weights to feed it: the loss model in training mode (batch
-    norm on batch statistics, as the session trains), differentiated and rewritten for ``target``'s
-    kernels (:mod:`onnxgrad.optimize`) as TrainingSession does, with the weights as graph inputs as the session binds them. As
-    initializers they would be constants that onnxruntime folds and prepacks (NCHWc convolutions, batch
-    norm folded into the Conv), which no training step can have: ResNet-18's forward alone takes 37 ms with
-    constant weights against 56 ms with weights as inputs."""
+    norm on batch statistics, as the session trains), differentiated and rewritten for ``target``'s kernels
+    (:mod:`onnxgrad.optimize`) as TrainingSession does, with the weights as graph inputs as the session binds
+    them. As initializers they would be constants that onnxruntime folds and prepacks (NCHWc convolutions,
+    batch norm folded into the Conv), which no training step can have: ResNet-18's forward alone takes 37 ms
+    with constant weights against 56 ms with weights as inputs."""
     import inspect
 
     import onnxgrad

@@ -420,7 +420,8 @@ def main(argv: list[str]) -> int:
         if dev.kind == "cuda":
             dev.torch.backends.cudnn.benchmark = not args.no_cudnn_benchmark
             versions += (f" on {dev.torch.cuda.get_device_name()}, TF32 off on both, cudnn.benchmark "
-                         f"{'off' if args.no_cudnn_benchmark else 'on'}; onnxruntime CUDA options {dev.providers[0][1]}")
+                         f"{'off' if args.no_cudnn_benchmark else 'on'}; onnxruntime CUDA options "
+                         f"{dev.providers[0][1]}")
     device_name = dev.torch.cuda.get_device_name() if dev.kind == "cuda" else "CPU (smoke)"
     print(f"{'SMOKE (tiny shapes, CPU): ' if args.smoke else ''}{versions}; median [min] of {reps} interleaved, "
           f"device-synchronised runs after {warmup} warm-up, in ms", flush=True)
