@@ -78,7 +78,7 @@ class Bench:
     feeds: dict[str, np.ndarray]        # forward inputs
     target: dict[str, np.ndarray]       # the loss's target input
     weights: dict[str, np.ndarray]
-    torch_step: Callable[..., Callable[[], float]] | None = None    # (weights, compile=False) -> step
+    torch_step: Callable[..., Callable[[], float]] | None = None    # (weights, compile, update, device) -> step
 
 
 def _init(rng, shape, fan_in) -> np.ndarray:
@@ -116,12 +116,12 @@ def mlp(batch: int = 64) -> Bench:
     feeds = {"x": rng.standard_normal((batch, 784)).astype(np.float32)}
     target = {"y": rng.integers(0, 10, batch).astype(np.int64)}
 
-    def torch_step(params, compile: bool = False, update: bool = True):
+    def torch_step(params, compile: bool = False, update: bool = True, device: str = "cpu"):
         import torch
         import torch.nn.functional as F
 
-        p = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in params.items()}
-        x, y = torch.from_numpy(feeds["x"]), torch.from_numpy(target["y"])
+        p = {k: torch.nn.Parameter(_tensor(v.copy(), device)) for k, v in params.items()}
+        x, y = _tensor(feeds["x"], device), _tensor(target["y"], device)
 
         def loss_fn():
             h = x
@@ -158,12 +158,12 @@ def cnn(batch: int = 32) -> Bench:
     feeds = {"x": rng.standard_normal((batch, 3, 32, 32)).astype(np.float32)}
     target = {"y": rng.integers(0, 10, batch).astype(np.int64)}
 
-    def torch_step(params, compile: bool = False, update: bool = True):
+    def torch_step(params, compile: bool = False, update: bool = True, device: str = "cpu"):
         import torch
         import torch.nn.functional as F
 
-        p = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in params.items()}
-        x, y = torch.from_numpy(feeds["x"]), torch.from_numpy(target["y"])
+        p = {k: torch.nn.Parameter(_tensor(v.copy(), device)) for k, v in params.items()}
+        x, y = _tensor(feeds["x"], device), _tensor(target["y"], device)
 
         def loss_fn():
             h = x
@@ -232,12 +232,12 @@ def transformer(batch: int = 8, seq: int = 128, d: int = 256, heads: int = 4, hi
     feeds = {"x": rng.standard_normal((batch, seq, d)).astype(np.float32)}
     target = {"target": rng.standard_normal((batch, seq, d)).astype(np.float32)}
 
-    def torch_step(params, compile: bool = False, update: bool = True):
+    def torch_step(params, compile: bool = False, update: bool = True, device: str = "cpu"):
         import torch
         import torch.nn.functional as F
 
-        p = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in params.items()}
-        x, t = torch.from_numpy(feeds["x"]), torch.from_numpy(target["target"])
+        p = {k: torch.nn.Parameter(_tensor(v.copy(), device)) for k, v in params.items()}
+        x, t = _tensor(feeds["x"], device), _tensor(target["target"], device)
 
         def loss_fn():
             h = F.layer_norm(x, (d,), p["ln1.weight"], p["ln1.bias"], 1e-5)
@@ -306,13 +306,13 @@ def resnet18(batch: int = 8, size: int = 112, classes: int = 100) -> Bench:
     feeds = {"x": rng.standard_normal((batch, 3, size, size)).astype(np.float32)}
     target = {"y": rng.integers(0, classes, batch).astype(np.int64)}
 
-    def torch_step(params, compile: bool = False, update: bool = True):
+    def torch_step(params, compile: bool = False, update: bool = True, device: str = "cpu"):
         import torch
         import torch.nn.functional as F
 
-        trainable = {k: torch.nn.Parameter(torch.from_numpy(v.copy())) for k, v in params.items() if "running" not in k}
-        stats = {k: torch.from_numpy(v.copy()) for k, v in params.items() if "running" in k}
-        x, y = torch.from_numpy(feeds["x"]), torch.from_numpy(target["y"])
+        trainable = {k: torch.nn.Parameter(_tensor(v.copy(), device)) for k, v in params.items() if "running" not in k}
+        stats = {k: _tensor(v.copy(), device) for k, v in params.items() if "running" in k}
+        x, y = _tensor(feeds["x"], device), _tensor(target["y"], device)
 
         def cbr(h, name, stride, relu):
             k = trainable[f"{name}.weight"].shape[-1]
@@ -397,9 +397,9 @@ def resnet18_export(batch: int = 8, size: int = 112, classes: int = 100) -> Benc
     trainable = onnxgrad.parameters(loss(m), loss="loss").trainable
     weights = {i.name: numpy_helper.to_array(i) for i in m.graph.initializer if i.name in trainable}
 
-    def torch_step(params, compile: bool = False, update: bool = True):
-        module = copy.deepcopy(net)
-        x, y = torch.from_numpy(feeds["x"]), torch.from_numpy(target["y"])
+    def torch_step(params, compile: bool = False, update: bool = True, device: str = "cpu"):
+        module = copy.deepcopy(net).to(device)
+        x, y = _tensor(feeds["x"], device), _tensor(target["y"], device)
         return _torch_adamw(dict(module.named_parameters()), lambda: F.cross_entropy(module(x), y), compile,
                             update)
 
@@ -409,6 +409,14 @@ def resnet18_export(batch: int = 8, size: int = 112, classes: int = 100) -> Benc
 MODELS = {"mlp": mlp, "cnn": cnn, "transformer": transformer, "resnet18": resnet18}
 OPTIONAL = {"resnet18_export": resnet18_export}     # named on the command line: needs torch and onnxscript
 BUILDERS = {**MODELS, **OPTIONAL}
+
+
+def _tensor(a: np.ndarray, device: str):
+    """``a`` as a torch tensor on ``device`` (on the CPU it shares ``a``'s memory)."""
+    import torch
+
+    t = torch.from_numpy(a)
+    return t if device == "cpu" else t.to(device)
 
 
 def _torch_adamw(params, loss_fn, compile: bool = False, update: bool = True) -> Callable[[], float]:
@@ -462,13 +470,13 @@ def training_session(bench: Bench, profile: str | None = None, recompute: bool =
                            providers=["CPUExecutionProvider"], session_options=session_options(profile), **options)
 
 
-def gradient_model(bench: Bench) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+def gradient_model(bench: Bench, target: str | None = "cpu") -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The step without its update, and the weights to feed it: the loss model in training mode (batch
-    norm on batch statistics, as the session trains), differentiated and rewritten for onnxruntime's CPU
-    kernels as TrainingSession does, with the weights as graph inputs as the session binds them. As
-    initializers they would be constants that onnxruntime folds and prepacks (NCHWc convolutions, batch
-    norm folded into the Conv), which no training step can have: ResNet-18's forward alone takes 37 ms with
-    constant weights against 56 ms with weights as inputs."""
+    norm on batch statistics, as the session trains), differentiated and rewritten for ``target``'s kernels
+    (:mod:`onnxgrad.optimize`) as TrainingSession does, with the weights as graph inputs as the session binds
+    them. As initializers they would be constants that onnxruntime folds and prepacks (NCHWc convolutions,
+    batch norm folded into the Conv), which no training step can have: ResNet-18's forward alone takes 37 ms
+    with constant weights against 56 ms with weights as inputs."""
     import inspect
 
     import onnxgrad
@@ -482,8 +490,8 @@ def gradient_model(bench: Bench) -> tuple[onnx.ModelProto, dict[str, np.ndarray]
     else:
         model = to_train_mode(model).model
     # (older onnxgrad versions have no target)
-    target = {"target": "cpu"} if "target" in inspect.signature(onnxgrad.grad).parameters else {}
-    gm = onnxgrad.grad(model, loss="loss", **target)      # wrt: the parameters the session trains
+    rewrites = {"target": target} if "target" in inspect.signature(onnxgrad.grad).parameters else {}
+    gm = onnxgrad.grad(model, loss="loss", **rewrites)      # wrt: the parameters the session trains
     held = [t.name for t in gm.graph.initializer if t.name in bench.weights]
     return A._params_as_inputs(gm, held, defaults=False), {name: bench.weights[name] for name in held}
 
@@ -585,25 +593,29 @@ def profile(name: str, reps: int) -> None:
         ts.step(feeds)
         fwd.run(None, bench.feeds)
     for what, sess in (("step", ts._train), ("forward", fwd)):
-        path = sess.end_profiling()
-        with open(path) as f:
-            events = json.load(f)
-        by_type: dict[str, float] = {}
-        by_node: dict[str, tuple[str, float]] = {}
-        for e in events:
-            if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
-                continue
-            op = e["args"].get("op_name", "?")
-            node = e["name"][: -len("_kernel_time")]
-            by_type[op] = by_type.get(op, 0.0) + e["dur"] / 1e3 / reps
-            by_node[node] = (op, by_node.get(node, (op, 0.0))[1] + e["dur"] / 1e3 / reps)
-        total = sum(by_type.values())
-        print(f"\n== {name}: {what}, kernel time per run {total:.2f} ms ({path})")
-        for op, ms in sorted(by_type.items(), key=lambda kv: -kv[1])[:15]:
-            print(f"  {op:<28} {ms:8.3f} ms  {100 * ms / total:5.1f}%")
-        print("  -- top nodes")
-        for node, (op, ms) in sorted(by_node.items(), key=lambda kv: -kv[1][1])[:15]:
-            print(f"  {node[:70]:<70} {op:<20} {ms:8.3f} ms")
+        print_profile(sess.end_profiling(), f"{name}: {what}", reps)
+
+
+def print_profile(path: str, title: str, reps: int, top: int = 15) -> None:
+    """An onnxruntime profile (``path``, of ``reps`` runs) as time per run by op type and the top nodes."""
+    with open(path) as f:
+        events = json.load(f)
+    by_type: dict[str, float] = {}
+    by_node: dict[str, tuple[str, float]] = {}
+    for e in events:
+        if e.get("cat") != "Node" or not e["name"].endswith("_kernel_time"):
+            continue
+        op = e["args"].get("op_name", "?")
+        node = e["name"][: -len("_kernel_time")]
+        by_type[op] = by_type.get(op, 0.0) + e["dur"] / 1e3 / reps
+        by_node[node] = (op, by_node.get(node, (op, 0.0))[1] + e["dur"] / 1e3 / reps)
+    total = sum(by_type.values())
+    print(f"\n== {title}, kernel time per run {total:.2f} ms ({path})")
+    for op, ms in sorted(by_type.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {op:<28} {ms:8.3f} ms  {100 * ms / total:5.1f}%")
+    print("  -- top nodes")
+    for node, (op, ms) in sorted(by_node.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"  {node[:70]:<70} {op:<20} {ms:8.3f} ms")
 
 
 def main(argv: list[str]) -> None:
