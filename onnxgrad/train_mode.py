@@ -181,6 +181,10 @@ def _batch_norm_train(node: onnx.NodeProto, opset: int, names: NameScope, initia
     node.input.extend(inputs)
     mean_flat, biased = t("batch_mean"), t("batch_var")
     outputs = [node.output[0], mean_flat, biased]
+    if opset < 14:          # opsets 9-13 say training mode by the outputs: onnxruntime wants all five
+        outputs += [t("saved_mean"), t("saved_inv_std")]
+    # the batch statistics' type, which the gradient rule reads (shape inference leaves opsets 9-13's unknown)
+    out.model.graph.value_info.extend(helper.make_tensor_value_info(o, dtype, None) for o in (mean_flat, biased))
     del node.output[:]
     node.output.extend(outputs)
     if opset >= 14:

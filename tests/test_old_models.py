@@ -75,19 +75,20 @@ def test_gradients_of_an_ir3_model_match_central_differences():
     assert r.ok(1e-4), r.errors
 
 
-def test_ir3_model_trains_as_the_same_model_written_today():
-    """Two TrainingSession steps on the old model and on the modern one: the same losses and parameters.
-    (train_mode=False: BatchNormalization on its running statistics; batch statistics at opsets 9-13, where
-    an upgraded old model lands, are the training session's matter.)"""
+@pytest.mark.parametrize("train_mode", [True, False], ids=["train_mode", "frozen_bn"])
+def test_ir3_model_trains_as_the_same_model_written_today(train_mode):
+    """Two TrainingSession steps on the old model (upgraded to opset 13, where BatchNormalization says training
+    mode by its five outputs) and on the model written today at opset 17 (its training_mode attribute): the
+    same losses, parameters and running statistics, in train mode and with frozen BatchNorm."""
     rng = np.random.default_rng(2)
     feeds = {"x": rng.standard_normal((BATCH, 6)).astype(np.float32),
              "target": rng.standard_normal((BATCH, 4)).astype(np.float32)}
     runs = []
-    for model in (zoo_style_model(8), zoo_style_model(13, old=False)):      # the upgraded opset
+    for model in (zoo_style_model(8), zoo_style_model(17, old=False)):
         s = onnxgrad.TrainingSession(model, loss=losses.MSELoss(output="logits"), optimizer=optim.SGD(lr=0.1),
-                                     train_mode=False, providers=["CPUExecutionProvider"])
+                                     train_mode=train_mode, providers=["CPUExecutionProvider"])
         losses_seen = [float(s.step(feeds)) for _ in range(2)]
-        runs.append((losses_seen, s.parameters()))
+        runs.append((losses_seen, {**s.parameters(), **s.buffers()}))
     (old_losses, old_params), (new_losses, new_params) = runs
     assert old_losses[1] < old_losses[0]
     np.testing.assert_allclose(old_losses, new_losses, rtol=1e-5)
