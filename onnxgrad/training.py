@@ -48,6 +48,7 @@ from .files import NO_DATA, atomic_write, runnable, save_model, stripped
 from .optim import Optimizer, from_config
 from .optimize import target_for
 from .recompute import ORT_DISABLED_OPTIMIZERS
+from .runtime import onnxruntime
 
 __all__ = ["TrainingSession", "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError",
            "NonFiniteError", "NonFiniteWarning", "DeviceError", "DeviceFallbackWarning", "StepReadbackError"]
@@ -95,8 +96,7 @@ _GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 
 def default_providers() -> list[str]:
     """CUDA first when this onnxruntime has it (onnxruntime-gpu), then CPU."""
-    import onnxruntime as ort
-
+    ort = onnxruntime("training")
     available = ort.get_available_providers()
     if "CUDAExecutionProvider" in available:
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -158,7 +158,7 @@ class TrainingSession:
         data_parallel: "bool | str | D.Engine" = False,
         recompute: bool = False,
     ):
-        import onnxruntime as ort
+        ort = onnxruntime("TrainingSession")
 
         if on_nonfinite not in ("raise", "skip"):
             raise OnnxGradError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
