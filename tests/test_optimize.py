@@ -16,7 +16,7 @@ import onnxgrad
 from harness import Case, case_model, distinct, make_model, randn
 from onnxgrad.autodiff import backward_nodes
 from onnxgrad.errors import OnnxGradError
-from onnxgrad.optimize import REWRITES, TARGETS, optimize, target_for
+from onnxgrad.optimize import REWRITES, TARGETS, cuda_refusals, optimize, target_for
 from onnxgrad.optimize.rewriter import GraphView
 
 
@@ -261,6 +261,40 @@ def test_where_zero_as_mul(case):
     model, _, wrt = case_model(case)
     canonical = onnxgrad.grad(model, wrt=wrt, of=["y0"])
     assert _ops(fast).count("Where") == _ops(canonical).count("Where") - 1 and "Cast" in _ops(fast)
+
+
+# -- batch_norm_training_as_ops (the cuda target) ----------------------------------------------------
+def _bn(*shape):
+    c = shape[1]
+    return [randn(*shape), randn(c), randn(c), randn(c), randn(c, low=0.5, high=2.0)]
+
+
+BN_TRAINING_CASES = [
+    Case("BatchNormalization", _bn(4, 3), {"training_mode": 1}, opset=15, outputs=3, id="2d"),
+    Case("BatchNormalization", _bn(2, 3, 5), {"training_mode": 1, "momentum": 0.7}, opset=15, outputs=3,
+         id="3d-momentum"),
+    Case("BatchNormalization", _bn(2, 3, 4, 5), {"training_mode": 1, "epsilon": 1e-3, "momentum": 0.0}, opset=15,
+         outputs=3, id="4d-momentum0"),
+    Case("BatchNormalization", _bn(2, 2, 3, 2, 2), {"training_mode": 1}, opset=18, outputs=3, id="5d-opset18"),
+    Case("BatchNormalization", _bn(8, 4, 3, 3), {"training_mode": 1, "momentum": 0.1}, opset=20, outputs=3,
+         id="4d-opset20"),
+]
+
+
+@pytest.mark.parametrize("case", BN_TRAINING_CASES, ids=str)
+def test_batch_norm_training_as_ops(case):
+    """The three outputs (y, the running statistics by ONNX's momentum formula) and the gradient reading them."""
+    fast = _case(case, "batch_norm_training_as_ops", rtol=1e-5)
+    model, _, _ = case_model(case)
+    assert cuda_refusals(model) and cuda_refusals(fast) == [] and "BatchNormalization" not in _ops(fast)
+    assert "ReduceMean" in _ops(fast)
+
+
+def test_batch_norm_training_as_ops_leaves_inference_alone():
+    model, _, wrt = case_model(Case("BatchNormalization", _bn(2, 3, 4), opset=15))
+    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    fast, report = optimize(gm, "cuda", first=1)
+    assert not report.applied and not report.declined and _ops(fast) == _ops(gm) and cuda_refusals(gm) == []
 
 
 # -- targets and plumbing ---------------------------------------------------------------------------
