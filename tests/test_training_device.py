@@ -303,3 +303,26 @@ def test_optimize_for_cuda_writes_a_training_model_the_cuda_provider_runs(tmp_pa
     assert cli_main([str(model), "--loss-fn", "mse", "--target", "t", "--predictions", predictions,
                      "--optimizer", "sgd", "--lr", "0.1", "-o", str(default)]) == 0
     assert cuda_refusals(onnx.load(default))          # the canonical one holds the refused form: the rewrite is why
+
+
+# -- the core without a runtime ----------------------------------------------------------------------------------
+def test_without_onnxruntime_graphs_build_and_training_names_the_install_command():
+    import subprocess
+    import sys
+
+    code = f"""
+import sys
+sys.modules["onnxruntime"] = None           # not installed: its import raises ImportError
+import onnxgrad
+gm = onnxgrad.grad({str(MODELS / "mlp_ce_dynamo.onnx")!r})
+assert any(o.name.endswith("_grad") for o in gm.graph.output)
+from onnxgrad.runtime import RuntimeMissingError
+try:
+    onnxgrad.TrainingSession({str(MODELS / "training" / "mlp.onnx")!r}, loss="logits")
+except RuntimeMissingError as e:
+    print(e)
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'TrainingSession runs on onnxruntime, which is not installed: pip install "onnxgrad[cpu]"' in r.stdout
