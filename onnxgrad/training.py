@@ -47,6 +47,7 @@ from .errors import OnnxGradError, UnknownNameError
 from .files import NO_DATA, atomic_write, runnable, save_model, stripped
 from .optim import Optimizer, from_config
 from .optimize import target_for
+from .optimize.guard import guard_as_where
 from .recompute import ORT_DISABLED_OPTIMIZERS
 from .runtime import onnxruntime
 
@@ -179,11 +180,16 @@ class TrainingSession:
                 self._options.intra_op_num_threads = max(1, (os.cpu_count() or 1) // self._engine.local_world_size)
         self.rank = self._engine.rank if self._engine else 0
         self.world_size = self._engine.world_size if self._engine else 1
+        target = target_for(self._providers)
         self.artifacts = A.build(model, loss, optimizer, frozen=frozen, trainable=trainable,
                                  clip_grad_norm=clip_grad_norm, accumulation_steps=accumulation_steps, guard=True,
                                  defaults=False, train_mode=train_mode, keep_grads=keep_grads,
-                                 strict_tags=strict_tags, split=self.world_size > 1,
-                                 target=target_for(self._providers), recompute=recompute)
+                                 strict_tags=strict_tags, split=self.world_size > 1, target=target,
+                                 recompute=recompute)
+        if target == "cuda":        # the guard's condition stays on the GPU (onnxgrad.optimize.guard)
+            holder = self.artifacts.split or self.artifacts
+            name = "update" if self.artifacts.split else "train"
+            setattr(holder, name, guard_as_where(getattr(holder, name), holder.spec.finite)[0])
         self._explicit = trainable is not None
         self._strict_tags = strict_tags
         self._split = self.artifacts.split

@@ -4,6 +4,7 @@ OrtValues or DLPack tensors. tests/test_cuda.py runs the same on a GPU."""
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -245,6 +246,52 @@ def test_torch_tensors_train_through_dlpack():
         s.step({"x": torch.from_numpy(DATA["x"][0]), "y": torch.from_numpy(DATA["y"][0]).int()})
 
 
+# -- the guard for the CUDA provider: Where on the device, no If reading a host copy -------------------------
+def cuda_target(monkeypatch, **kw) -> TrainingSession:
+    """A session built for the CUDA target, run by the CPU provider."""
+    with monkeypatch.context() as m:
+        m.setattr(T, "target_for", lambda providers: "cuda")
+        return mlp(**kw)
+
+
+def test_cuda_target_guards_the_update_with_where_and_trains_as_the_if(monkeypatch):
+    s, reference = cuda_target(monkeypatch), mlp()
+    train = s.artifacts.train
+    assert not [n for n in train.graph.node if n.op_type == "If"]
+    assert [n for n in train.graph.node if n.op_type == "Where" and n.input[0] == s.spec.finite]
+    assert [n for n in reference.artifacts.train.graph.node if n.op_type == "If"]
+    onnx.checker.check_model(train, full_check=True)
+    assert s._inplace == reference._inplace           # still updated in place: one buffer per tensor
+    for step in range(3):
+        assert s.step(batch(step)) == pytest.approx(reference.step(batch(step)), rel=1e-6)
+    before, state = s.parameters(), s.optimizer_state()
+    with pytest.raises(NonFiniteError, match="not applied"):
+        s.step(poisoned())
+    for name, value in s.parameters().items():
+        np.testing.assert_array_equal(value, before[name])
+    for p, st in s.optimizer_state().items():
+        for k, v in st.items():
+            np.testing.assert_array_equal(v, state[p][k])
+    s.step(batch(3))
+    reference.step(batch(3))
+    for name, value in s.parameters().items():
+        np.testing.assert_allclose(value, reference.parameters()[name], rtol=1e-5, atol=1e-7)
+
+
+def test_cuda_target_accumulates_and_skips_as_the_cpu_one(monkeypatch):
+    s = cuda_target(monkeypatch, accumulation_steps=2, on_nonfinite="skip")
+    reference = mlp(accumulation_steps=2, on_nonfinite="skip")
+    for feeds in (batch(0), poisoned(), batch(1), batch(2)):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for x, y in zip(np.split(feeds["x"], 2), np.split(feeds["y"], 2)):
+                s.step({"x": x, "y": y})
+                reference.step({"x": x, "y": y})
+    assert (s.step_count, s.skipped_steps) == (reference.step_count, reference.skipped_steps) == (3, 1)
+    for name, value in s.parameters().items():
+        np.testing.assert_allclose(value, reference.parameters()[name], rtol=1e-5, atol=1e-7)
+
+
 # -- BatchNormalization in train mode for the CUDA provider --------------------------------------------------
 def bn_session(stem: str, target: str, monkeypatch, momentum: float = 0.9) -> tuple[TrainingSession, dict]:
     """A train-mode session of ``models/<stem>.onnx`` built for ``target``, run by the CPU provider."""
@@ -294,7 +341,7 @@ def test_optimize_for_cuda_writes_a_training_model_the_cuda_provider_runs(tmp_pa
                      "--optimizer", "sgd", "--lr", "0.1", "--optimize-for", "cuda", "-o", str(out)]) == 0
     capsys.readouterr()
     train = onnx.load(out)
-    assert cuda_refusals(train) == []
+    assert cuda_refusals(train) == [] and not [n for n in train.graph.node if n.op_type == "If"]
     assert not [n for n in train.graph.node if n.op_type == "BatchNormalization"
                 and any(a.name == "training_mode" and a.i for a in n.attribute)]
     onnx.checker.check_model(train, full_check=True)
