@@ -464,9 +464,10 @@ class TrainingSession:
         The scalars are bound last and afresh before every run, to the host by device, not to buffers of
         the session's: onnxruntime allocates each run's values and copies them there itself, so a value
         is one this run wrote; one it did not write cannot be read (no stale or uninitialised memory).
-        On CUDA the ``finite`` output is also the guard ``If``'s condition, which onnxruntime copies to the
-        host inside the run; a pre-allocated host buffer for it was left unwritten in some sessions (a
-        per-session verdict). The outputs are synchronised before they are read."""
+        The outputs are synchronised before they are read. (On CUDA the canonical guard ``If(finite)`` reads
+        its condition on the host, through a copy onnxruntime makes inside the run, which is also the
+        ``finite`` output: it read unwritten memory in some processes. The "cuda" target guards on the
+        device instead: :mod:`onnxgrad.optimize.guard`.)"""
         for name in scalars:
             io_.bind_output(name, "cpu")
         session.run_with_iobinding(io_)
