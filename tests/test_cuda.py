@@ -60,6 +60,7 @@ pytestmark = pytest.mark.skipif(not _cuda_usable(), reason="needs onnxruntime-gp
 def test_cuda_training_matches_cpu():
     gpu, cpu = mlp(providers=CUDA), mlp(providers=["CPUExecutionProvider"])
     assert gpu.device == "cuda" and all(v.device_name().lower() == "cuda" for v in gpu._cur.values())
+    assert not [n for n in gpu.artifacts.train.graph.node if n.op_type == "If"]     # the guard stays on the GPU
     for step in range(5):
         np.testing.assert_allclose(gpu.step(batch(step)), cpu.step(batch(step)), rtol=1e-5)
     assert gpu.step_count == 5
