@@ -37,9 +37,17 @@ def guard_as_where(model: onnx.ModelProto, finite: str) -> tuple[onnx.ModelProto
             nodes.append(node)
             continue
         then_nodes, news, olds = plan
-        nodes.extend(then_nodes)
+        # each Where right after the node making its new value: the new values are not all alive at once
+        after: dict[str, list[onnx.NodeProto]] = {}
+        made = {o for n in then_nodes for o in n.output}
         for k, (new, old, name) in enumerate(zip(news, olds, node.output)):
-            nodes.append(helper.make_node("Where", [finite, new, old], [name], name=f"{node.name}/guard_{k}"))
+            where = helper.make_node("Where", [finite, new, old], [name], name=f"{node.name}/guard_{k}")
+            after.setdefault(new if new in made else "", []).append(where)
+        nodes.extend(after.pop("", []))
+        for n in then_nodes:
+            nodes.append(n)
+            for o in n.output:
+                nodes.extend(after.pop(o, []))
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     return out, len(found)
