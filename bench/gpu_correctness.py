@@ -24,8 +24,15 @@ CPU provider, 2 processes per model, the "device" session built for the CUDA tar
 in train mode as standard ops) and run by the CPU provider: the script's own check, on any machine (about
 3 minutes on 2 shared cores).
 
-    source .gpu/b/env.sh && python3 bench/gpu_correctness.py 2>&1 | tee $OUT/gpu_correctness.log
+    bash ../shared/gpu/prepare.sh          # here, once: onnxruntime-gpu 1.31.1 in .gpu/a and .gpu/b
+    # on the GPU machine (../shared/gpu/README.md): a first call carrying .gpu/a runs bash .gpu/a/install.sh,
+    # the next, carrying .gpu/b, this script and then the CUDA tests five times (pytest: the machine's, or a
+    # wheel carried beside .gpu/b):
+    source .gpu/b/env.sh && python3 bench/gpu_correctness.py 2>&1 | tee $OUT/gpu_correctness.log &&
+        for i in 1 2 3 4 5; do python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py; done | tee -a $OUT/gpu_correctness.log
     python bench/gpu_correctness.py --smoke
+
+Expected on an H200 (not measured yet): the verdict processes dominate, about 200 fresh processes 8 at a time.
 """
 from __future__ import annotations
 
