@@ -104,8 +104,9 @@ def _grad_parser() -> argparse.ArgumentParser:
                    "forward op in Netron; runtimes inline them)")
     p.add_argument("--optimize-for", choices=sorted(TARGETS), metavar="RUNTIME",
                    help="rewrite the gradient for onnxruntime's 'cpu' or 'cuda' provider (onnxgrad.optimize: the "
-                   "measured fast forms of the same values, as TrainingSession uses them); default: the canonical "
-                   "adjoints")
+                   "measured fast forms of the same values, as TrainingSession uses them; 'cuda' also writes "
+                   "train-mode BatchNormalization, which its kernel refuses, as standard ops, and guards the update "
+                   "on the GPU); default: the canonical adjoints")
     p.add_argument("--recompute", action="store_true",
                    help="recompute cheap activations in the backward instead of keeping them (onnxgrad.recompute); "
                    "run the result with onnxruntime's CommonSubexpressionElimination disabled")
