@@ -379,3 +379,41 @@ def test_training_session_on_cpu_trains_the_rewritten_graph_like_the_canonical(m
     assert not any("/conv_weight_grad_patches/" in n.name for n in canonical.artifacts.train.graph.node)
     for _ in range(3):
         np.testing.assert_allclose(fast.step(feeds), canonical.step(feeds), rtol=1e-4)
+
+
+# -- the update guard for the cuda target ----------------------------------------------------------------
+def _guarded_model(else_op: str) -> onnx.ModelProto:
+    """p.next = If(finite) then p - 1 else <else_op>(p): the shape of a guarded training graph's update."""
+    f, b = TensorProto.FLOAT, TensorProto.BOOL
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
+    then = helper.make_graph([helper.make_node("Sub", ["p", "one"], ["p_new"], name="then/sub")], "update", [],
+                             [helper.make_tensor_value_info("p_new", f, [3])])
+    other = helper.make_graph([helper.make_node(else_op, ["p"], ["p_old"], name="else/keep")], "keep_old_values",
+                              [], [helper.make_tensor_value_info("p_old", f, [3])])
+    nodes = [helper.make_node("ReduceSum", ["p"], ["s"], keepdims=0, name="sum"),
+             helper.make_node("IsNaN", ["s"], ["nan"], name="isnan"),
+             helper.make_node("Not", ["nan"], ["finite"], name="not"),
+             helper.make_node("If", ["finite"], ["p.next"], then_branch=then, else_branch=other, name="guard")]
+    return make_model(nodes, [helper.make_tensor_value_info("p", f, [3])],
+                      [helper.make_tensor_value_info("p.next", f, [3]), helper.make_tensor_value_info("finite", b, [])],
+                      [one], opset=17)
+
+
+def test_guard_as_where_keeps_the_guards_values():
+    from onnxgrad.optimize.guard import guard_as_where
+
+    model = _guarded_model("Identity")
+    rewritten, count = guard_as_where(model, "finite")
+    assert count == 1 and "If" not in _ops(rewritten) and "Where" in _ops(rewritten)
+    onnx.checker.check_model(rewritten, full_check=True)
+    for p in (np.array([1, 2, 3], np.float32), np.array([1, np.nan, 3], np.float32)):
+        want, got = _run(model, {"p": p}), _run(rewritten, {"p": p})
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_guard_as_where_leaves_an_if_that_is_no_guard_alone():
+    from onnxgrad.optimize.guard import guard_as_where
+
+    model = _guarded_model("Neg")          # the else branch computes: not "keep the old values"
+    assert guard_as_where(model, "finite") == (model, 0)
