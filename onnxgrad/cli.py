@@ -106,8 +106,9 @@ def _grad_parser() -> argparse.ArgumentParser:
                    "forward op in Netron; runtimes inline them)")
     p.add_argument("--optimize-for", choices=sorted(TARGETS), metavar="RUNTIME",
                    help="rewrite the gradient for onnxruntime's 'cpu' or 'cuda' provider (onnxgrad.optimize: the "
-                   "measured fast forms of the same values, as TrainingSession uses them); default: the canonical "
-                   "adjoints")
+                   "measured fast forms of the same values, as TrainingSession uses them; 'cuda' also writes "
+                   "train-mode BatchNormalization, which its kernel refuses, as standard ops, and guards the update "
+                   "on the GPU); default: the canonical adjoints")
     p.add_argument("--recompute", action="store_true",
                    help="recompute cheap activations in the backward instead of keeping them (onnxgrad.recompute); "
                    "run the result with onnxruntime's CommonSubexpressionElimination disabled")
@@ -362,6 +363,10 @@ def run_train(args: argparse.Namespace) -> int:
                           clip_grad_norm=args.clip_grad_norm, accumulation_steps=args.accumulation_steps,
                           guard=True, defaults=False, train_mode=not args.eval_mode, target=args.optimize_for,
                           recompute=args.recompute)
+    if args.optimize_for == "cuda":        # the guard's condition stays on the GPU (onnxgrad.optimize.guard)
+        from .optimize.guard import guard_as_where
+
+        art.train = guard_as_where(art.train, art.spec.finite)[0]
     build_s = time.perf_counter() - t0
     init_path = (out_path[:-5] if out_path.endswith(".onnx") else out_path) + ".init.npz"
     _save(art.train, out_path)

@@ -48,10 +48,12 @@ from .errors import OnnxGradError, UnknownNameError
 from .files import NO_DATA, atomic_write, runnable, save_model, stripped
 from .optim import Optimizer, from_config
 from .optimize import target_for
+from .optimize.guard import guard_as_where
 from .recompute import ORT_DISABLED_OPTIMIZERS
+from .runtime import onnxruntime
 
 __all__ = ["TrainingSession", "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError",
-           "NonFiniteError", "NonFiniteWarning"]
+           "NonFiniteError", "NonFiniteWarning", "DeviceError", "DeviceFallbackWarning", "StepReadbackError"]
 
 CHECKPOINT_FORMAT = "onnxgrad-checkpoint"
 CHECKPOINT_VERSION = 2          # 2: optimizer state as the graph holds it, with the header's "state_scale"
@@ -78,10 +80,25 @@ class NonFiniteWarning(UserWarning):
     """A step produced a NaN or infinite loss or gradient and was skipped (``on_nonfinite="skip"``)."""
 
 
+class DeviceError(OnnxGradError):
+    """The session cannot run on the device its providers ask for (a CUDA session that cannot be built)."""
+
+
+class DeviceFallbackWarning(UserWarning):
+    """The default providers asked for CUDA and the session could not be built there: it trains on the CPU."""
+
+
+class StepReadbackError(OnnxGradError):
+    """The scalars a step read back contradict each other (``finite`` against the loss and gradient norm it
+    is computed from): the runtime returned something the graph did not compute."""
+
+
+_GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+
+
 def default_providers() -> list[str]:
     """CUDA first when this onnxruntime has it (onnxruntime-gpu), then CPU."""
-    import onnxruntime as ort
-
+    ort = onnxruntime("training")
     available = ort.get_available_providers()
     if "CUDAExecutionProvider" in available:
         return ["CUDAExecutionProvider", "CPUExecutionProvider"]
@@ -143,7 +160,7 @@ class TrainingSession:
         data_parallel: "bool | str | D.Engine" = False,
         recompute: bool = False,
     ):
-        import onnxruntime as ort
+        ort = onnxruntime("TrainingSession")
 
         if on_nonfinite not in ("raise", "skip"):
             raise OnnxGradError(f"on_nonfinite must be 'raise' or 'skip', got {on_nonfinite!r}")
@@ -164,11 +181,16 @@ class TrainingSession:
                 self._options.intra_op_num_threads = max(1, (os.cpu_count() or 1) // self._engine.local_world_size)
         self.rank = self._engine.rank if self._engine else 0
         self.world_size = self._engine.world_size if self._engine else 1
+        target = target_for(self._providers)
         self.artifacts = A.build(model, loss, optimizer, frozen=frozen, trainable=trainable,
                                  clip_grad_norm=clip_grad_norm, accumulation_steps=accumulation_steps, guard=True,
                                  defaults=False, train_mode=train_mode, keep_grads=keep_grads,
-                                 strict_tags=strict_tags, split=self.world_size > 1,
-                                 target=target_for(self._providers), recompute=recompute)
+                                 strict_tags=strict_tags, split=self.world_size > 1, target=target,
+                                 recompute=recompute)
+        if target == "cuda":        # the guard's condition stays on the GPU (onnxgrad.optimize.guard)
+            holder = self.artifacts.split or self.artifacts
+            name = "update" if self.artifacts.split else "train"
+            setattr(holder, name, guard_as_where(getattr(holder, name), holder.spec.finite)[0])
         self._explicit = trainable is not None
         self._class_targets = L.class_targets(self.artifacts.loss_model)   # labels checked before each run
         self._strict_tags = strict_tags
@@ -184,13 +206,7 @@ class TrainingSession:
         self._poisoned = False       # a non-finite micro-batch in this accumulation window
 
         train = self._split.update if self._split else self.artifacts.train      # the graph that updates
-        try:
-            self._train = self._session(train)
-        except Exception:
-            if providers is not None or self._providers == ["CPUExecutionProvider"]:
-                raise
-            self._providers = ["CPUExecutionProvider"]    # onnxruntime-gpu without a usable GPU
-            self._train = self._session(train)
+        self._train = self._device_session(train, explicit=providers is not None)
         self.device, self.device_id = _device_of(self._train)
         self._accumulate = (self._session(self.artifacts.accumulate) if self.artifacts.accumulate
                             and not self._split else None)
@@ -225,11 +241,6 @@ class TrainingSession:
             self._acc_parity = 0
         self._acc_valid = False
         self._grad_bufs = {p: self._empty(p) for p in spec.grads}
-        self._scalars = {k: ort.OrtValue.ortvalue_from_shape_and_type([], dt, "cpu", 0)
-                         for k, dt in (("loss", self._dtype_of(spec.loss)), ("finite", np.bool_),
-                                       ("grad_norm", np.float32))}
-        self._acc_scalars = {k: ort.OrtValue.ortvalue_from_shape_and_type([], dt, "cpu", 0)
-                             for k, dt in (("loss", self._dtype_of(spec.loss)), ("finite", np.bool_))}
         self._input_types = {i.name: i for s in (self._train, self._accumulate, self._backward) if s
                              for i in s.get_inputs()}
         if self._split:
@@ -241,7 +252,7 @@ class TrainingSession:
         _release_freed_memory()
 
     # -- running --------------------------------------------------------------------------------------
-    def step(self, feeds: Mapping[str, np.ndarray], lr: float | None = None, *,
+    def step(self, feeds: Mapping[str, Any], lr: float | None = None, *,
              samples: float | None = None) -> float:
         """One micro-batch: forward, loss, backward and (every ``accumulation_steps``-th call) the update.
 
@@ -251,6 +262,11 @@ class TrainingSession:
         parallel): this shard's weight in the global mean, by default its number of samples (the
         leading dimension of its first batched input); give the count the loss averages over when it
         is another (tokens that are not padding). One worker ignores it.
+
+        ``feeds`` hold numpy arrays, or batches already on the device: ``onnxruntime.OrtValue``s and DLPack
+        tensors (torch, CuPy: anything with ``__dlpack__``), bound where they lie with no copy through the
+        host; their element type must be the input's. The step reads back three scalars (loss, the
+        finiteness verdict, the gradient norm); parameters and optimizer state stay on the device.
         """
         spec = self.spec
         rate = self.lr if lr is None else lr
@@ -265,17 +281,13 @@ class TrainingSession:
         # a poisoned window (a non-finite micro-batch, on_nonfinite="skip") is not applied: the outputs
         # updated in place go to scratch buffers
         io_ = self._train_binding(discard=self._poisoned)
-        for name, arr in data.items():
-            io_.bind_cpu_input(name, arr)
+        self._bind_data(io_, data)
         io_.bind_cpu_input(spec.lr, np.array(rate, np.float32))
         io_.bind_cpu_input(spec.step, np.array(self.step_count + 1, np.int64))
         if spec.accumulation_steps > 1:
             for name, ov in self._acc_source().items():
                 io_.bind_ortvalue_input(name, ov)
-        self._train.run_with_iobinding(io_)
-        loss = float(self._scalars["loss"].numpy())
-        finite = bool(self._scalars["finite"].numpy())
-        self.last_grad_norm = float(self._scalars["grad_norm"].numpy())
+        loss, finite, self.last_grad_norm = self._run_step(self._train, io_, (spec.loss, spec.finite, spec.grad_norm))
         poisoned, self._poisoned, self._micro, self._acc_valid = self._poisoned, False, 0, False
         if finite and not poisoned:
             self._parity = 1 - self._parity       # the outputs become the current values
@@ -294,8 +306,6 @@ class TrainingSession:
         if self.spec.accumulation_steps > 1:
             self._bucket_zero = {n: self._device_value(z) for n, z in zeros.items()}
             self._bucket_sums = [{n: self._empty_like(z) for n, z in zeros.items()} for _ in range(2)]
-        self._local_loss = self._ort.OrtValue.ortvalue_from_shape_and_type(
-            [], self._dtype_of(sp.local_loss, sp.backward), "cpu", 0)
 
     def _split_step(self, data: dict[str, np.ndarray], rate: float, samples: float | None) -> float:
         sp, spec = self._split, self.spec
@@ -313,9 +323,7 @@ class TrainingSession:
                 io_.bind_ortvalue_input(b.acc, src[b.name])
         for b in sp.buckets:
             io_.bind_ortvalue_output(b.name, (sums or self._reduced)[b.name])
-        io_.bind_ortvalue_output(sp.local_loss, self._local_loss)
-        self._backward.run_with_iobinding(io_)
-        loss = float(self._local_loss.numpy())
+        (loss,) = self._run_step(self._backward, io_, (sp.local_loss,))
         if not last:
             self._micro += 1
             self._acc_parity = 1 - self._acc_parity
@@ -329,11 +337,9 @@ class TrainingSession:
         io_ = self._train_binding()
         io_.bind_cpu_input(spec.lr, np.array(rate, np.float32))
         io_.bind_cpu_input(spec.step, np.array(self.step_count + 1, np.int64))
-        self._train.run_with_iobinding(io_)
-        loss = float(self._scalars["loss"].numpy())
-        self.last_grad_norm = float(self._scalars["grad_norm"].numpy())
+        loss, finite, self.last_grad_norm = self._run_step(self._train, io_, (spec.loss, spec.finite, spec.grad_norm))
         self._micro = 0
-        if bool(self._scalars["finite"].numpy()):     # the same on every worker: it reads the same sums
+        if finite:     # the same on every worker: it reads the same sums
             spare = self._sets[1 - self._parity]          # this update's running statistics
             floats = [spare[n] for n in spec.buffers if np.dtype(self._layout[n][1]).kind == "f"]
             if floats:
@@ -347,8 +353,9 @@ class TrainingSession:
     def _samples(self, data: dict[str, np.ndarray]) -> int:
         """The leading dimension of the first batched data input: this shard's number of samples."""
         for name in self.spec.data_inputs:
-            if data[name].ndim:
-                return int(data[name].shape[0])
+            shape = _shape(data[name])
+            if shape:
+                return int(shape[0])
         raise OnnxGradError("step: no input has a batch dimension to count this shard's samples; "
                             "pass samples= (this shard's weight in the global mean)")
 
@@ -406,12 +413,9 @@ class TrainingSession:
                     io_.bind_ortvalue_output(out, self._empty(inp) if scratch else self._sets[1 - k][inp])
                 for name, ov in (self._reduced.items() if self._split else ()):
                     io_.bind_ortvalue_input(name, ov)
-                io_.bind_ortvalue_output(spec.loss, self._scalars["loss"])
-                io_.bind_ortvalue_output(spec.finite, self._scalars["finite"])
-                io_.bind_ortvalue_output(spec.grad_norm, self._scalars["grad_norm"])
                 for p, out in spec.grads.items():
                     io_.bind_ortvalue_output(out, self._grad_bufs[p])
-                bindings.append(io_)
+                bindings.append(io_)      # the scalars are bound by _run_step, last
             if discard:
                 return bindings[self._parity]
             self._bindings = bindings
@@ -422,8 +426,7 @@ class TrainingSession:
         into the spare set of buffers (what the backward-only runs share)."""
         spec = self.spec
         io_ = session.io_binding()
-        for name, arr in data.items():
-            io_.bind_cpu_input(name, arr)
+        self._bind_data(io_, data)
         for name in spec.params:
             io_.bind_ortvalue_input(name, self._cur[name])
         spare = self._sets[1 - self._parity]
@@ -441,11 +444,8 @@ class TrainingSession:
         for i, o in spec.accumulators.values():
             io_.bind_ortvalue_input(i, src[i])
             io_.bind_ortvalue_output(o, dst[i])
-        io_.bind_ortvalue_output(spec.loss, self._acc_scalars["loss"])
-        io_.bind_ortvalue_output(spec.finite, self._acc_scalars["finite"])
-        self._accumulate.run_with_iobinding(io_)
-        loss = float(self._acc_scalars["loss"].numpy())
-        if bool(self._acc_scalars["finite"].numpy()):
+        loss, finite = self._run_step(self._accumulate, io_, (spec.loss, spec.finite))
+        if finite:
             self._acc_parity = 1 - self._acc_parity
             self._acc_valid = True
             for name in spec.buffers:      # this micro-batch's running statistics become the current ones
@@ -459,6 +459,47 @@ class TrainingSession:
         self._micro += 1
         return loss
 
+    def _run_step(self, session, io_, scalars: Sequence[str]) -> list:
+        """Run ``io_`` and read back the step's ``scalars`` (loss[, finite[, grad_norm]]): floats and the
+        verdict, which :func:`_verdict` cross-checks against the loss and gradient norm.
+
+        The scalars are bound last and afresh before every run, to the host by device, not to buffers of
+        the session's: onnxruntime allocates each run's values and copies them there itself, so a value
+        is one this run wrote; one it did not write cannot be read (no stale or uninitialised memory).
+        The outputs are synchronised before they are read. (On CUDA the canonical guard ``If(finite)`` reads
+        its condition on the host, through a copy onnxruntime makes inside the run, which is also the
+        ``finite`` output: it read unwritten memory in some processes. The "cuda" target guards on the
+        device instead: :mod:`onnxgrad.optimize.guard`.)"""
+        for name in scalars:
+            io_.bind_output(name, "cpu")
+        session.run_with_iobinding(io_)
+        io_.synchronize_outputs()
+        outputs = io_.get_outputs()[-len(scalars):]
+        for name, v in zip(scalars, outputs):
+            if not v.has_value():
+                raise StepReadbackError(f"step {self.step_count + 1}: onnxruntime returned no value for '{name}'")
+        values = [v.numpy().reshape(()).item() for v in outputs]
+        loss = float(values[0])
+        if len(scalars) == 1:
+            return [loss]
+        grad_norm = float(values[2]) if len(scalars) > 2 else None
+        return [loss, _verdict(loss, bool(values[1]), grad_norm, self.step_count + 1)] + \
+            ([grad_norm] if grad_norm is not None else [])
+
+    def _bind_data(self, io_, data: Mapping[str, Any]) -> None:
+        """Bind the batch: host arrays by their memory, OrtValues (those DLPack made too) where they are. A
+        batch on the GPU is waited for (``synchronize_inputs``: the device finishes what its producer
+        queued, a torch or CuPy stream the session's own does not follow)."""
+        on_device = False
+        for name, value in data.items():
+            if isinstance(value, np.ndarray):
+                io_.bind_cpu_input(name, value)
+            else:
+                io_.bind_ortvalue_input(name, value)
+                on_device |= value.device_name().lower() != "cpu"
+        if on_device:
+            io_.synchronize_inputs()
+
     def _acc_source(self) -> dict[str, Any]:
         return self._acc_bufs[self._acc_parity] if self._acc_valid else self._acc_zero
 
@@ -471,10 +512,14 @@ class TrainingSession:
         if self.rank == 0:               # data parallel: every worker skips, rank 0 says so
             warnings.warn(msg + " (skipped)", NonFiniteWarning, stacklevel=3)
 
-    def eval(self, feeds: Mapping[str, np.ndarray], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    def eval(self, feeds: Mapping[str, Any], outputs: Sequence[str] | None = None, *,
+             device_outputs: bool = False) -> dict[str, Any]:
         """Forward only, with the current weights: ``{output name: array}``.
 
-        When ``feeds`` also hold the loss's inputs (the target), the loss is among the outputs.
+        When ``feeds`` also hold the loss's inputs (the target), the loss is among the outputs. Feeds may be
+        numpy arrays, ``onnxruntime.OrtValue``s or DLPack tensors (torch, CuPy), as for :meth:`step`.
+        ``device_outputs=True``: the outputs stay on the session's device, as ``OrtValue``s (read one
+        with ``.numpy()``, or hand it to torch with ``torch.from_dlpack``).
         """
         sess, inputs, params, all_outputs = self._eval_session(all(n in feeds for n in self._loss_inputs))
         data = self._data(feeds, inputs, "eval", known=set(self._loss_inputs))
@@ -484,14 +529,17 @@ class TrainingSession:
             raise UnknownNameError(f"eval: {', '.join(map(repr, unknown))} not an output here "
                                    f"(outputs: {', '.join(all_outputs)})")
         io_ = sess.io_binding()
-        for name, arr in data.items():
-            io_.bind_cpu_input(name, arr)
+        self._bind_data(io_, data)
         cur = self._cur
         for name in params:
             io_.bind_ortvalue_input(name, cur[name])
+        device, device_id = (self.device, self.device_id) if device_outputs else ("cpu", 0)
         for name in names:
-            io_.bind_output(name, "cpu")
+            io_.bind_output(name, device, device_id)
         sess.run_with_iobinding(io_)
+        io_.synchronize_outputs()
+        if device_outputs:
+            return dict(zip(names, io_.get_outputs()))
         return {name: np.array(v.numpy()) for name, v in zip(names, io_.get_outputs())}
 
     # -- weights ----------------------------------------------------------------------------------------
@@ -698,6 +746,34 @@ class TrainingSession:
                 self._acc_bufs[0][name] = self._device_value(a)
 
     # -- helpers ------------------------------------------------------------------------------------------
+    def _device_session(self, model: onnx.ModelProto, explicit: bool):
+        """The session of the graph that updates, on the device the first provider names. A GPU session that
+        cannot be built, or that onnxruntime builds without the GPU provider (it falls back to the CPU with
+        a logged warning), raises :class:`DeviceError` when the providers were the caller's; with the
+        default providers the session trains on the CPU and :class:`DeviceFallbackWarning` says why."""
+        first = _provider_name(self._providers[0])
+        try:
+            sess = self._session(model)
+        except Exception as e:
+            if first not in _GPU_PROVIDERS:
+                raise
+            sess, reason = None, f"building the session failed: {type(e).__name__}: {e}"
+        else:
+            used = sess.get_providers()
+            if first not in _GPU_PROVIDERS or used[:1] == [first]:
+                return sess
+            reason = (f"onnxruntime built the session without {first} (it runs {', '.join(used)}; this "
+                      f"onnxruntime offers {', '.join(self._ort.get_available_providers())})")
+        if explicit or self._engine is not None:      # data parallel: the workers' collectives are the GPU's
+            raise DeviceError(f"{first}: {reason}. Fix the CUDA install (pip install \"onnxgrad[cuda]\", a "
+                              "visible GPU, the CUDA and cuDNN libraries onnxruntime-gpu names), or pass "
+                              "providers=['CPUExecutionProvider'] to train on the CPU") from None
+        warnings.warn(f"training on the CPU, not on the GPU: {first}: {reason}. Pass providers= to choose "
+                      "(an explicit CUDA provider raises instead of falling back)", DeviceFallbackWarning,
+                      stacklevel=3)
+        self._providers = ["CPUExecutionProvider"]
+        return self._session(model)
+
     def _session(self, model: onnx.ModelProto):
         ort = self._ort
         opts = self._options
@@ -773,8 +849,8 @@ class TrainingSession:
             raise OnnxGradError(f"'{name}' has shape {list(shape)}, got {list(v.shape)}")
         return v.astype(dtype, copy=False)
 
-    def _data(self, feeds: Mapping[str, np.ndarray], names: Sequence[str], what: str,
-              known: set[str] | None = None) -> dict[str, np.ndarray]:
+    def _data(self, feeds: Mapping[str, Any], names: Sequence[str], what: str,
+              known: set[str] | None = None) -> dict[str, Any]:
         known = set(known or ()) | set(names) | set(self.spec.data_inputs)
         unknown = [k for k in feeds if k not in known]
         if unknown:
@@ -790,15 +866,21 @@ class TrainingSession:
         L.check_labels(self._class_targets, out, what)
         return out
 
-    def _coerce(self, name: str, value: Any) -> np.ndarray:
-        arr = np.asarray(value)
+    def _coerce(self, name: str, value: Any) -> Any:
+        """A host array of the input's type (converted where that loses nothing a user meant), or an OrtValue
+        of it where the value is one or is a DLPack tensor (a torch or CuPy tensor): taken where it lies,
+        never through the host, so its type must already be the input's."""
         info = self._input_types.get(name)
-        want = _NP_OF_ORT.get(info.type) if info is not None else None
-        if want is None:
+        ort_type = info.type if info is not None else None
+        if ort_type is None:
             for sess, *_ in self._evals.values():
                 for i in sess.get_inputs():
                     if i.name == name:
-                        want = _NP_OF_ORT.get(i.type)
+                        ort_type = i.type
+        if _is_device_value(value, self._ort):
+            return self._device_input(name, value, ort_type)
+        arr = np.asarray(value)
+        want = _NP_OF_ORT.get(ort_type)
         if want is not None and arr.dtype != want:
             if np.dtype(want).kind == "f" and arr.dtype.kind in "fiub" or \
                     np.dtype(want).kind in "iu" and arr.dtype.kind in "iub":
@@ -806,6 +888,28 @@ class TrainingSession:
             else:
                 raise OnnxGradError(f"input '{name}' expects {np.dtype(want)}, got {arr.dtype}")
         return np.ascontiguousarray(arr)
+
+    def _device_input(self, name: str, value: Any, ort_type: str | None):
+        """``value`` (an OrtValue, or a DLPack tensor wrapped as one without a copy) checked against the input."""
+        ort = self._ort
+        if not isinstance(value, ort.OrtValue):
+            if not hasattr(ort.OrtValue, "from_dlpack"):
+                raise OnnxGradError(f"input '{name}': this onnxruntime ({ort.__version__}) cannot take a DLPack "
+                                    f"tensor ({type(value).__name__}); pass an onnxruntime.OrtValue or a numpy array")
+            try:
+                value = ort.OrtValue.from_dlpack(value)
+            except Exception as e:
+                raise OnnxGradError(f"input '{name}': onnxruntime cannot take this {type(value).__name__} through "
+                                    f"DLPack ({type(e).__name__}: {e}); pass a contiguous tensor of a numeric type "
+                                    "(torch: .detach().contiguous()), or a numpy array") from None
+        if ort_type is not None and value.data_type() != ort_type:
+            raise OnnxGradError(f"input '{name}' expects {ort_type}, got {value.data_type()} on "
+                                f"{value.device_name()}; convert it where it lies (no copy through the host is made)")
+        where = value.device_name().lower()
+        if where != "cpu" and where != self.device:
+            raise OnnxGradError(f"input '{name}' is on {where} and this session runs on {self.device}; "
+                                "pass it on the host or on the session's device")
+        return value
 
     def _stripped_model(self) -> onnx.ModelProto:
         """The loss model with the trained tensors' data left out (they are stored as arrays)."""
@@ -855,6 +959,48 @@ def _without_data(model: onnx.ModelProto, held: Mapping[str, Any]) -> onnx.Model
 
 
 # -- files ----------------------------------------------------------------------------------------------
+def _verdict(loss: float, finite: bool, grad_norm: float | None, step: int) -> bool:
+    """Whether a step's loss and gradients are finite: the graph's ``finite`` output, which it computes as
+    ``isfinite(loss + sum of squared gradients)``, checked against the loss and ``grad_norm`` (the square
+    root of that sum) it came with. They agree but where ``loss + grad_norm**2`` overflows (finite parts,
+    a non-finite sum); any other disagreement means a value read back is not the run's, and raises
+    :class:`StepReadbackError` rather than apply or refuse a step on it. Without ``grad_norm`` (an
+    accumulating micro-batch) only a finite verdict on a non-finite loss is a contradiction."""
+    from_values = math.isfinite(loss) and (grad_norm is None or math.isfinite(grad_norm))
+    if finite == from_values or (not finite and grad_norm is None):
+        return finite
+    if not finite and abs(loss) + grad_norm ** 2 > _OVERFLOW:
+        return False
+    raise StepReadbackError(
+        f"step {step}: the step's scalars contradict each other: finite={finite} with loss {loss}"
+        + (f" and gradient norm {grad_norm}" if grad_norm is not None else "")
+        + "; the runtime returned a value the graph did not compute, so whether the update was applied is "
+        "unknown: restore the last checkpoint (or rebuild the session) and report this with your onnxruntime "
+        "version and providers")
+
+
+_OVERFLOW = 1e38        # float32's largest is 3.4e38: a finite loss + sum of squares at least this large may not be
+
+
+def _is_device_value(value: Any, ort: Any) -> bool:
+    """An OrtValue, or a tensor of another library through DLPack (a numpy array has ``__dlpack__`` too: it
+    stays on the array path, as do Python numbers and lists)."""
+    if isinstance(value, ort.OrtValue):
+        return True
+    return (not isinstance(value, (np.ndarray, np.generic)) and hasattr(value, "__dlpack__")
+            and hasattr(value, "__dlpack_device__"))
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    """The shape of a host array or an OrtValue."""
+    return tuple(value.shape()) if callable(getattr(value, "shape", None)) else tuple(np.shape(value))
+
+
+def _provider_name(provider: Any) -> str:
+    """An execution provider's name, given as a name or (name, options)."""
+    return provider[0] if isinstance(provider, (tuple, list)) else provider
+
+
 def _device_of(sess: Any) -> tuple[str, int]:
     """Where the session's first execution provider keeps tensors: ("cuda", id) or ("cpu", 0)."""
     used = sess.get_providers()

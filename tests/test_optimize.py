@@ -16,7 +16,7 @@ import onnxgrad
 from harness import Case, case_model, distinct, make_model, randn
 from onnxgrad.autodiff import backward_nodes
 from onnxgrad.errors import OnnxGradError
-from onnxgrad.optimize import REWRITES, TARGETS, optimize, target_for
+from onnxgrad.optimize import REWRITES, TARGETS, cuda_refusals, optimize, target_for
 from onnxgrad.optimize.rewriter import GraphView
 
 
@@ -283,6 +283,40 @@ def test_where_zero_as_mul_keeps_a_where_that_scrubs_nan():
     assert any("NaN on purpose" in why for _, _, why in report.declined), report.declined
 
 
+# -- batch_norm_training_as_ops (the cuda target) ----------------------------------------------------
+def _bn(*shape):
+    c = shape[1]
+    return [randn(*shape), randn(c), randn(c), randn(c), randn(c, low=0.5, high=2.0)]
+
+
+BN_TRAINING_CASES = [
+    Case("BatchNormalization", _bn(4, 3), {"training_mode": 1}, opset=15, outputs=3, id="2d"),
+    Case("BatchNormalization", _bn(2, 3, 5), {"training_mode": 1, "momentum": 0.7}, opset=15, outputs=3,
+         id="3d-momentum"),
+    Case("BatchNormalization", _bn(2, 3, 4, 5), {"training_mode": 1, "epsilon": 1e-3, "momentum": 0.0}, opset=15,
+         outputs=3, id="4d-momentum0"),
+    Case("BatchNormalization", _bn(2, 2, 3, 2, 2), {"training_mode": 1}, opset=18, outputs=3, id="5d-opset18"),
+    Case("BatchNormalization", _bn(8, 4, 3, 3), {"training_mode": 1, "momentum": 0.1}, opset=20, outputs=3,
+         id="4d-opset20"),
+]
+
+
+@pytest.mark.parametrize("case", BN_TRAINING_CASES, ids=str)
+def test_batch_norm_training_as_ops(case):
+    """The three outputs (y, the running statistics by ONNX's momentum formula) and the gradient reading them."""
+    fast = _case(case, "batch_norm_training_as_ops", rtol=1e-5)
+    model, _, _ = case_model(case)
+    assert cuda_refusals(model) and cuda_refusals(fast) == [] and "BatchNormalization" not in _ops(fast)
+    assert "ReduceMean" in _ops(fast)
+
+
+def test_batch_norm_training_as_ops_leaves_inference_alone():
+    model, _, wrt = case_model(Case("BatchNormalization", _bn(2, 3, 4), opset=15))
+    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    fast, report = optimize(gm, "cuda", first=1)
+    assert not report.applied and not report.declined and _ops(fast) == _ops(gm) and cuda_refusals(gm) == []
+
+
 # -- targets and plumbing ---------------------------------------------------------------------------
 def _small_cnn() -> tuple[onnx.ModelProto, dict]:
     """conv-bn-relu, overlapping 3x3/2 max-pool, conv, relu, 2x2 max-pool, global pool, linear."""
@@ -365,3 +399,41 @@ def test_training_session_on_cpu_trains_the_rewritten_graph_like_the_canonical(m
     assert not any("/conv_weight_grad_patches/" in n.name for n in canonical.artifacts.train.graph.node)
     for _ in range(3):
         np.testing.assert_allclose(fast.step(feeds), canonical.step(feeds), rtol=1e-4)
+
+
+# -- the update guard for the cuda target ----------------------------------------------------------------
+def _guarded_model(else_op: str) -> onnx.ModelProto:
+    """p.next = If(finite) then p - 1 else <else_op>(p): the shape of a guarded training graph's update."""
+    f, b = TensorProto.FLOAT, TensorProto.BOOL
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
+    then = helper.make_graph([helper.make_node("Sub", ["p", "one"], ["p_new"], name="then/sub")], "update", [],
+                             [helper.make_tensor_value_info("p_new", f, [3])])
+    other = helper.make_graph([helper.make_node(else_op, ["p"], ["p_old"], name="else/keep")], "keep_old_values",
+                              [], [helper.make_tensor_value_info("p_old", f, [3])])
+    nodes = [helper.make_node("ReduceSum", ["p"], ["s"], keepdims=0, name="sum"),
+             helper.make_node("IsNaN", ["s"], ["nan"], name="isnan"),
+             helper.make_node("Not", ["nan"], ["finite"], name="not"),
+             helper.make_node("If", ["finite"], ["p.next"], then_branch=then, else_branch=other, name="guard")]
+    return make_model(nodes, [helper.make_tensor_value_info("p", f, [3])],
+                      [helper.make_tensor_value_info("p.next", f, [3]), helper.make_tensor_value_info("finite", b, [])],
+                      [one], opset=17)
+
+
+def test_guard_as_where_keeps_the_guards_values():
+    from onnxgrad.optimize.guard import guard_as_where
+
+    model = _guarded_model("Identity")
+    rewritten, count = guard_as_where(model, "finite")
+    assert count == 1 and "If" not in _ops(rewritten) and "Where" in _ops(rewritten)
+    onnx.checker.check_model(rewritten, full_check=True)
+    for p in (np.array([1, 2, 3], np.float32), np.array([1, np.nan, 3], np.float32)):
+        want, got = _run(model, {"p": p}), _run(rewritten, {"p": p})
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_guard_as_where_leaves_an_if_that_is_no_guard_alone():
+    from onnxgrad.optimize.guard import guard_as_where
+
+    model = _guarded_model("Neg")          # the else branch computes: not "keep the old values"
+    assert guard_as_where(model, "finite") == (model, 0)

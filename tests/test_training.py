@@ -767,29 +767,6 @@ def test_default_providers_follow_the_installed_runtime():
         assert s.device == "cpu" and s._train.get_providers() == ["CPUExecutionProvider"]
 
 
-def _cuda_usable():
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return False
-    try:
-        sess = TrainingSession(mlp_model(), loss=ce(), providers=["CUDAExecutionProvider"])
-    except Exception:
-        return False
-    return sess.device == "cuda"
-
-
-@pytest.mark.skipif(not _cuda_usable(), reason="needs onnxruntime-gpu and a CUDA GPU")
-def test_cuda_training_matches_cpu():
-    gpu = TrainingSession(mlp_model(), loss=ce(), optimizer=optim.AdamW(lr=1e-2),
-                          providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
-    cpu = session(optim.AdamW(lr=1e-2))
-    assert gpu.device == "cuda"
-    assert all(v.device_name() == "cuda" for v in gpu._cur.values())
-    for step in range(5):
-        np.testing.assert_allclose(gpu.step(batch(step)), cpu.step(batch(step)), rtol=1e-5)
-    for name, value in gpu.parameters().items():
-        np.testing.assert_allclose(value, cpu.parameters()[name], rtol=1e-4, atol=1e-6)
-
-
 # -- the example ---------------------------------------------------------------------------------------------------
 def test_digits_example_reaches_95_percent(tmp_path):
     exported = tmp_path / "digits.onnx"

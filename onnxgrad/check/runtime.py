@@ -19,6 +19,7 @@ import onnx.defs
 from onnx import TensorProto
 
 from ..files import runnable
+from ..runtime import onnxruntime
 
 # Ops whose onnxruntime float64 kernels load but cannot be trusted: RNN, GRU and LSTM accept a float64 session,
 # then fail at run time; Attention departs from the spec in float64 (NaN for a fully masked row, a top-left
@@ -90,8 +91,7 @@ class Runner:
         if why:
             self._use_reference(why)
             return
-        import onnxruntime as ort
-
+        ort = onnxruntime("checking against onnxruntime (runtime='reference' checks without it)")
         opts = ort.SessionOptions()
         opts.log_severity_level = 3
         try:

@@ -10,7 +10,11 @@ form computes (``conv_forward_patches``: the weight gradient reads the forward's
 - ``None``: the canonical graph;
 - ``"cpu"``: onnxruntime's CPUExecutionProvider;
 - ``"cuda"``: onnxruntime's CUDAExecutionProvider (cuDNN runs the canonical convolutions natively;
-  no rewrite has been measured to pay there yet).
+  no speed rewrite has been measured to pay there yet). Its rewrites make the graph runnable there:
+  BatchNormalization in training mode, which the CUDA kernel refuses, as standard ops
+  (:mod:`onnxgrad.optimize.batch_norm`); :func:`cuda_refusals` lists what would still be refused. A
+  training graph's update guard is its own rewrite (:mod:`onnxgrad.optimize.guard`, applied by
+  ``TrainingSession`` and ``--optimize-for cuda``): the guard is built after the gradient.
 
 ``bench/bench_rewrites.py`` times every rewrite against the canonical form;
 ``tests/test_optimize.py`` proves each gives the canonical graph's outputs.
@@ -18,26 +22,27 @@ form computes (``conv_forward_patches``: the weight gradient reads the forward's
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import onnx
 
 from ..errors import OnnxGradError
+from .batch_norm import BATCH_NORM_TRAINING_AS_OPS, BATCH_NORM_TRAINING_AS_OPS_BACKWARD
 from .conv import CONV_FORWARD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, CONV_WEIGHT_GRAD_PATCHES
 from .masks import WHERE_ZERO_AS_MUL
 from .pool import MAX_POOL_TAPS
 from .rewriter import Report, Rewrite, apply
 
-__all__ = ["REWRITES", "TARGETS", "optimize", "target_for"]
+__all__ = ["REWRITES", "TARGETS", "cuda_refusals", "optimize", "target_for"]
 
 REWRITES: dict[str, Rewrite] = {r.name: r for r in (
     CONV_FORWARD_PATCHES, CONV_WEIGHT_GRAD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, MAX_POOL_TAPS,
-    WHERE_ZERO_AS_MUL)}
+    WHERE_ZERO_AS_MUL, BATCH_NORM_TRAINING_AS_OPS, BATCH_NORM_TRAINING_AS_OPS_BACKWARD)}
 
 TARGETS: dict[str, tuple[str, ...]] = {
     "cpu": ("conv_forward_patches", "conv_weight_grad_patches", "conv_input_grad_col2im", "conv_input_grad_flipped",
             "max_pool_taps", "where_zero_as_mul"),
-    "cuda": (),
+    "cuda": ("batch_norm_training_as_ops", "batch_norm_training_as_ops_backward"),
 }
 
 _PROVIDERS = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda"}
@@ -51,6 +56,30 @@ def target_for(providers: Sequence[Any] | None) -> str | None:
     first = providers[0]
     name = first[0] if isinstance(first, (tuple, list)) else first
     return _PROVIDERS.get(name)
+
+
+def cuda_refusals(model: onnx.ModelProto) -> list[str]:
+    """The nodes of ``model`` (subgraphs included) that onnxruntime's CUDA provider refuses to run, each as
+    "node (op): why"; empty when it runs them all. Known: BatchNormalization with ``training_mode=1`` from
+    opset 14 on (the kernel fails the session's build)."""
+    from .. import model as M
+
+    opset = M.opset_of(model)
+    found = []
+    for node in _nodes(model.graph):
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and opset >= 14 and any(
+                a.name == "training_mode" and a.i for a in node.attribute):
+            found.append(f"{node.name} (BatchNormalization): training_mode=1 at opset {opset}")
+    return found
+
+
+def _nodes(g: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    from .. import model as M
+
+    for node in g.node:
+        yield node
+        for sub in M.subgraphs(node):
+            yield from _nodes(sub)
 
 
 def rewrites_for(target: str | None) -> list[Rewrite]:
