@@ -21,6 +21,7 @@ from .forward import jvp
 from .funcs import hessian, hvp, jacfwd, jacobian, jacrev
 from .params import parameters
 from .registry import register as register_rule
+from .torch_export import from_torch
 
 # isort: split
 from . import rules  # noqa: F401,E402  (registers the built-in rules)
@@ -39,6 +40,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "from_torch",
     "TrainingSession",
     "optim",
     "losses",
