@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -17,6 +18,7 @@ F = torch.nn.functional
 
 import onnxgrad  # noqa: E402
 from onnxgrad import TrainingSession, losses, optim  # noqa: E402
+from onnxgrad.params import REQUIRES_GRAD_KEY  # noqa: E402
 from onnxgrad.torch_export import FROM_TORCH_KEY, TORCH_TRAINING_KEY, TorchExportError  # noqa: E402
 
 STEPS = 4
@@ -219,6 +221,12 @@ def train_both(name: str, optimizer: str):
         worst["parameter"] = max(worst["parameter"], relative(value, state[n]))
     for n, value in session.buffers().items():
         worst["running statistic"] = max(worst["running statistic"], relative(value, state[n]))
+    # inference after training: the session's exported model in stock onnxruntime is PyTorch's eval()
+    x, _ = next(batches(data_kind, np.random.default_rng(2)))
+    inference = ort.InferenceSession(session.exported_model().SerializeToString(), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        expected = reference.eval()(torch.from_numpy(x)).numpy()
+    worst["exported model's output"] = relative(inference.run(["logits"], {"x": x})[0], expected)
     WORST[f"{name}/{optimizer}"] = max(worst.values())
     print(f"{name} {optimizer}: " + ", ".join(f"worst {k} {v:.1e}" for k, v in worst.items()))
     for what, value in worst.items():
@@ -236,7 +244,96 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("name", sorted(CASES))
+# the inner loop (-m "not slow") trains the BatchNorm CNN with SGD and the frozen-parameter MLP; the rest
+# runs with the slow suites (an export and a session build take seconds each)
+FAST = {("cnn_bn_se_residual", "sgd"), ("frozen_and_buffer", "sgd"), ("frozen_and_buffer", "adamw")}
+
+
+@pytest.mark.parametrize("name, optimizer", [
+    pytest.param(name, opt, marks=() if (name, opt) in FAST else pytest.mark.slow)
+    for name in sorted(CASES) for opt in sorted(OPTIMIZERS)])
 def test_trains_as_pytorch(name, optimizer):
     train_both(name, optimizer)
+
+
+# -- what the export holds and records ----------------------------------------------------------------
+def test_the_export_is_standard_onnx_and_records_its_origin():
+    module, example = fresh("frozen_and_buffer")
+    model = exported("frozen_and_buffer")
+    onnx.checker.check_model(model, full_check=True)
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert meta[FROM_TORCH_KEY] == torch.__version__ and meta[TORCH_TRAINING_KEY] == "true"
+    inits = {i.name: {p.key: p.value for p in i.metadata_props} for i in model.graph.initializer}
+    marked = {n for n, props in inits.items() if props.get(REQUIRES_GRAD_KEY) == "false"}
+    assert marked == {"project.weight", "temperature"}
+    report = onnxgrad.parameters(losses.mse_loss(model, output="logits", target="y"))
+    assert sorted(report.trainable) == sorted(n for n, p in module.named_parameters() if p.requires_grad)
+    assert "requires_grad=False" in report["project.weight"].reason
+    assert "buffer" in report["centre"].reason
+    # the batch axis is dynamic: a batch of 5 runs although the example had 2
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(3).standard_normal((5, 6)).astype(np.float32)
+    with torch.no_grad():
+        np.testing.assert_allclose(sess.run(["logits"], {"x": x})[0], module.eval()(torch.from_numpy(x)).numpy(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_every_parameter_stays_one_tensor_under_its_pytorch_name():
+    """No folding and no merging: BatchNorm nodes and their running statistics are there, and parameters that
+    hold equal values (zero biases, norm weights of 1) stay apart."""
+    module, _ = fresh("cnn_bn_se_residual")
+    model = exported("cnn_bn_se_residual")
+    names = {i.name for i in model.graph.initializer}
+    assert set(module.state_dict()) - {n for n in module.state_dict() if n.endswith("num_batches_tracked")} <= names
+    assert sum(n.op_type == "BatchNormalization" for n in model.graph.node) == 2
+    assert np.array_equal(module.stem_bn.bias.detach().numpy(), module.bn.bias.detach().numpy())   # both zeros
+
+
+def test_dropout_is_present_and_active_in_training_only():
+    torch.manual_seed(0)
+    module = TransformerClassifier(dropout=0.5).eval()          # the module's own mode: recorded, restored
+    x, y = next(batches("sequence", np.random.default_rng(0)))
+    model = onnxgrad.from_torch(module, (torch.from_numpy(x),), input_names=["x"], output_names=["logits"])
+    assert not any(m.training for m in module.modules())
+    assert {p.key: p.value for p in model.metadata_props}[TORCH_TRAINING_KEY] == "false"
+    assert sum(n.op_type == "Dropout" for n in model.graph.node) >= 4
+    session = TrainingSession(model, loss=losses.CrossEntropyLoss(output="logits", target="y"),
+                              optimizer=optim.SGD(lr=0.0))
+    steps = [session.step({"x": x, "y": y}) for _ in range(3)]
+    evaluated = session.eval({"x": x, "y": y})
+    with torch.no_grad():
+        expected = F.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y)).item()
+    assert relative(evaluated["loss"], expected) <= RTOL          # eval(): no dropout, PyTorch's eval()
+    assert len(set(steps)) == 3 and all(abs(s - expected) > 1e-4 for s in steps)   # a fresh mask per step
+
+
+# -- what is refused ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("option, message", [
+    ({"optimize": True}, "optimize=True would break training"),
+    ({"dynamo": False}, "dynamo=False would break training"),
+    ({"f": "model.onnx"}, "onnx.save"),
+    ({"training": 1}, "module.train()"),
+    ({"dynamic_batch": True, "dynamic_shapes": {"x": {0: "n"}}}, "not both"),
+])
+def test_options_that_would_break_training_are_refused(option, message):
+    with pytest.raises(TorchExportError, match=message):
+        onnxgrad.from_torch(nn.Linear(2, 2), (torch.zeros(1, 2),), **option)
+
+
+def test_batch_norms_it_cannot_train_as_pytorch_are_refused():
+    for layer, message in ((nn.BatchNorm1d(3, momentum=None), "momentum=None"),
+                           (nn.BatchNorm1d(3, track_running_stats=False), "track_running_stats=False")):
+        with pytest.raises(TorchExportError, match=message):
+            onnxgrad.from_torch(nn.Sequential(nn.Linear(2, 3), layer), (torch.zeros(2, 2),))
+    mixed = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.Dropout(0.1)).train()
+    mixed[1].eval()
+    with pytest.raises(TorchExportError, match="different modes"):
+        onnxgrad.from_torch(mixed, (torch.zeros(2, 2),))
+
+
+def test_without_torch_the_error_says_how_to_install_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(TorchExportError, match=r'pip install "onnxgrad\[torch\]"'):
+        onnxgrad.from_torch(object(), ())
