@@ -307,6 +307,43 @@ def test_dropout_is_present_and_active_in_training_only():
     assert len(set(steps)) == 3 and all(abs(s - expected) > 1e-4 for s in steps)   # a fresh mask per step
 
 
+class MaskedMean(nn.Module):
+    """Two inputs, the second a keyword argument: a padding mask over the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 4)
+
+    def forward(self, x, mask=None):
+        h = self.proj(x) * mask[..., None]
+        return h.sum(1) / mask.sum(1, keepdim=True)
+
+
+def test_keyword_arguments_and_a_dynamic_batch():
+    module = MaskedMean()
+    x, mask = torch.randn(2, 5, 6), torch.ones(2, 5)
+    model = onnxgrad.from_torch(module, (x,), {"mask": mask}, dynamic_batch=True)
+    assert [i.name for i in model.graph.input] == ["x", "mask"]
+    assert all(i.type.tensor_type.shape.dim[0].dim_param == "batch" for i in model.graph.input)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x, mask = torch.randn(3, 5, 6), (torch.rand(3, 5) > 0.3).float() + torch.eye(3, 5)
+    with torch.no_grad():
+        expected = module(x, mask=mask).numpy()
+    np.testing.assert_allclose(sess.run(None, {"x": x.numpy(), "mask": mask.numpy()})[0], expected, rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.slow                   # the GPT export; its trajectories are slow too
+def test_a_tied_head_is_one_initializer():
+    module, _ = fresh("gpt_tied_head")
+    model = exported("gpt_tied_head")
+    holders = [i.name for i in model.graph.initializer if i.name in ("tokens.weight", "lm_head.weight")]
+    assert len(holders) == 1
+    report = onnxgrad.parameters(losses.cross_entropy(model, output="logits", target="y"))
+    assert holders[0] in report.trainable
+    assert len(report.trainable) == len(list(module.parameters()))      # parameters() counts a tied one once
+
+
 # -- what is refused ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("option, message", [
     ({"optimize": True}, "optimize=True would break training"),
