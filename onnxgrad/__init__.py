@@ -21,7 +21,7 @@ from .forward import jvp
 from .funcs import hessian, hvp, jacfwd, jacobian, jacrev
 from .params import parameters
 from .registry import register as register_rule
-from .torch_export import from_torch
+from .torch_export import TorchExportError, from_torch
 
 # isort: split
 from . import rules  # noqa: F401,E402  (registers the built-in rules)
@@ -62,5 +62,6 @@ __all__ = [
     "UnusedError",
     "UnsupportedOpError",
     "RuleError",
+    "TorchExportError",
     "__version__",
 ]

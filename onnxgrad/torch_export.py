@@ -84,13 +84,25 @@ def from_torch(module: Any, args: Any, kwargs: Mapping[str, Any] | None = None, 
     args = args if isinstance(args, tuple) else (args,)
     options.setdefault("verbose", False)
     with _train_mode(module), _quiet():
-        program = torch.onnx.export(module, args, kwargs=dict(kwargs) if kwargs else None,
-                                    **{k: v for k, (v, _) in _FIXED.items()}, **options)
+        try:
+            program = torch.onnx.export(module, args, kwargs=dict(kwargs) if kwargs else None,
+                                        **{k: v for k, (v, _) in _FIXED.items()}, **options)
+        except torch.onnx.OnnxExporterError as e:
+            raise TorchExportError(f"from_torch: torch.onnx.export could not export {type(module).__name__}: "
+                                   f"{_summary(str(e))}; the module must export with torch.export (see its "
+                                   "report in the exception this one chains)") from e
     model = program.model_proto
     _mark_untrained(model, module)
     _set_meta(model.metadata_props, FROM_TORCH_KEY, torch.__version__)
     _set_meta(model.metadata_props, TORCH_TRAINING_KEY, "true" if training else "false")
     return model
+
+
+def _summary(report: str) -> str:
+    """The exporter's exception summary out of its markdown report, on one line."""
+    text = report.split("## Exception summary", 1)[-1].split("(Refer to the full stack trace", 1)[0]
+    text = " ".join(text.split())
+    return text if len(text) <= 600 else text[:600] + " ..."
 
 
 def _check_options(options: Mapping[str, Any]) -> None:
@@ -170,7 +182,7 @@ def _quiet() -> Iterator[None]:
 
 def _mark_untrained(model: onnx.ModelProto, module: Any) -> None:
     """Each initializer holding a parameter PyTorch does not train gets ``onnxgrad.requires_grad=false``."""
-    frozen = {name for name, p in module.named_parameters() if not p.requires_grad}
+    frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     for init in model.graph.initializer:
         if init.name in frozen:
             _set_meta(init.metadata_props, REQUIRES_GRAD_KEY, "false")

@@ -368,6 +368,17 @@ def test_batch_norms_it_cannot_train_as_pytorch_are_refused():
         onnxgrad.from_torch(mixed, (torch.zeros(2, 2),))
 
 
+class ReturnsAnObject(nn.Module):
+    def forward(self, x):
+        return {"value": x, "shape": object()}
+
+
+def test_a_module_the_exporter_cannot_export_is_one_error_of_ours():
+    with pytest.raises(TorchExportError, match="could not export ReturnsAnObject") as e:
+        onnxgrad.from_torch(ReturnsAnObject(), (torch.zeros(2),))
+    assert "\n" not in str(e.value) and isinstance(e.value.__cause__, torch.onnx.OnnxExporterError)
+
+
 def test_without_torch_the_error_says_how_to_install_it(monkeypatch):
     import sys
 
