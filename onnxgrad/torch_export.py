@@ -9,6 +9,13 @@ train mode (:mod:`onnxgrad.train_mode`) and inference (``eval()``, ``export()``)
 the graph alone cannot say: which parameters PyTorch does not train (``requires_grad=False``) and the
 module's own mode.
 
+What the exporter makes of train mode (torch 2.13): a BatchNorm becomes
+``aten._native_batch_norm_legit_functional`` and an ONNX BatchNormalization in its inference form (the
+running-statistics updates, outputs of the exported program, are dropped), which the session's train mode
+switches to batch statistics and running-statistics updates as it does for any export; a Dropout becomes an
+ONNX Dropout with ``training_mode`` true, which the session turns off for ``eval()`` and ``export()``. An
+export in eval mode would lose the Dropout nodes and gain nothing.
+
 torch is an optional extra (``pip install "onnxgrad[torch]"``); it is imported here, on the call.
 """
 from __future__ import annotations

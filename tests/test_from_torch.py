@@ -256,6 +256,27 @@ def test_trains_as_pytorch(name, optimizer):
     train_both(name, optimizer)
 
 
+def test_train_mode_false_trains_as_pytorchs_eval_mode():
+    """The same export, train_mode=False: BatchNorm on its running statistics (not updated), no Dropout."""
+    reference, _ = fresh("cnn_bn_se_residual")
+    reference.eval()
+    session = TrainingSession(copy.deepcopy(exported("cnn_bn_se_residual")), train_mode=False,
+                              loss=losses.CrossEntropyLoss(output="logits", target="y"),
+                              optimizer=OPTIMIZERS["sgd"][0]())
+    torch_optimizer = OPTIMIZERS["sgd"][1](reference.parameters())
+    for x, y in batches("image", np.random.default_rng(0)):
+        got = session.step({"x": x, "y": y})
+        torch_optimizer.zero_grad()
+        expected = F.cross_entropy(reference(torch.from_numpy(x)), torch.from_numpy(y))
+        expected.backward()
+        torch_optimizer.step()
+        assert relative(got, expected.item()) <= RTOL
+    state = reference.state_dict()
+    for name, value in session.parameters().items():
+        assert relative(value, state[name].numpy()) <= RTOL, name
+    assert session.buffers() == {}
+
+
 # -- what the export holds and records ----------------------------------------------------------------
 def test_the_export_is_standard_onnx_and_records_its_origin():
     module, example = fresh("frozen_and_buffer")
