@@ -93,7 +93,7 @@ def from_torch(module: Any, args: Any, kwargs: Mapping[str, Any] | None = None, 
     with _train_mode(module), _quiet():
         try:
             program = torch.onnx.export(module, args, kwargs=dict(kwargs) if kwargs else None,
-                                        **{k: v for k, (v, _) in _FIXED.items()}, **options)
+                                        **{**options, **{k: v for k, (v, _) in _FIXED.items()}})
         except torch.onnx.OnnxExporterError as e:
             raise TorchExportError(f"from_torch: torch.onnx.export could not export {type(module).__name__}: "
                                    f"{_summary(str(e))}; the module must export with torch.export (see its "

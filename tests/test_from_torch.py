@@ -378,6 +378,11 @@ def test_options_that_would_break_training_are_refused(option, message):
         onnxgrad.from_torch(nn.Linear(2, 2), (torch.zeros(1, 2),), **option)
 
 
+def test_the_settings_training_needs_may_be_given():
+    model = onnxgrad.from_torch(nn.Linear(2, 2), (torch.zeros(1, 2),), dynamo=True, optimize=False, opset_version=18)
+    assert next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == 18
+
+
 def test_batch_norms_it_cannot_train_as_pytorch_are_refused():
     for layer, message in ((nn.BatchNorm1d(3, momentum=None), "momentum=None"),
                            (nn.BatchNorm1d(3, track_running_stats=False), "track_running_stats=False")):
