@@ -175,13 +175,17 @@ def _train_mode(module: Any) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    """The exporter's warning about exporting in train mode (intended here) and its progress lines."""
+    """The exporter's warning about exporting in train mode (intended here), its progress lines and
+    torch's internal deprecation notices."""
     logger = logging.getLogger("torch.onnx")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Exporting a model while it is in training mode")
+            # torch.export's own deprecation notice, which no user code causes
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                    category=FutureWarning)
             yield
     finally:
         logger.setLevel(level)
