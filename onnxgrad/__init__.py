@@ -23,6 +23,7 @@ from .forward import jvp
 from .funcs import hessian, hvp, jacfwd, jacobian, jacrev
 from .params import parameters
 from .registry import register as register_rule
+from .torch_export import TorchExportError, from_torch
 
 # isort: split
 from . import rules  # noqa: F401,E402  (registers the built-in rules)
@@ -41,6 +42,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "from_torch",
     "TrainingSession",
     "optim",
     "losses",
@@ -64,5 +66,6 @@ __all__ = [
     "UnusedError",
     "UnsupportedOpError",
     "RuleError",
+    "TorchExportError",
     "__version__",
 ]

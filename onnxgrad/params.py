@@ -4,7 +4,8 @@ sessions, the training artifacts and the command line.
 A float initializer is trained when it has a differentiable path to the loss (or the
 differentiated outputs) and it is what PyTorch would train. In this order:
 
-1. ``frozen`` names are not trained.
+1. ``frozen`` names are not trained, nor PyTorch parameters with ``requires_grad=False``
+   (:func:`onnxgrad.from_torch` records them: ``onnxgrad.requires_grad`` in the initializer's metadata).
 2. No differentiable path (it reaches the loss only through shapes, indices, comparisons,
    integer casts or stop-gradient ops, or not at all): not trained, as PyTorch leaves a
    parameter whose ``.grad`` is None alone (no update, no weight decay).
@@ -48,6 +49,8 @@ KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 FOLDED_KEY = "pkg.onnxscript.optimizer.folded_from"
 ORIGINAL_KEY = "pkg.torch.onnx.original_node_name"
 SIGNATURE_KEY = "pkg.torch.export.ExportedProgram.graph_signature"
+# on an initializer: "false" for a parameter PyTorch does not train (onnxgrad.from_torch records it)
+REQUIRES_GRAD_KEY = "onnxgrad.requires_grad"
 
 # names exporters give the tensors they create (not PyTorch module paths)
 _GENERATED = re.compile(r"^(_?val_\d+|onnx::.*|/.*|.*Constant.*|const(ant)?_?\d*|_v_\d+|ortshared_.*|.*_output_\d+)$")
@@ -542,6 +545,9 @@ def _decide(init: onnx.TensorProto, facts: _ModelFacts, frozen: set[str], reach:
     torch_name = facts.torch_name(name) if facts.kind(name) else None
     if name in frozen:
         return Parameter(name, False, "frozen", torch_name)
+    if facts.meta.get(name, {}).get(REQUIRES_GRAD_KEY) == "false":
+        return Parameter(name, False, "PyTorch parameter with requires_grad=False (recorded by from_torch)",
+                         torch_name)
     if name not in reach:
         if facts.uses.get(name):
             reason = (f"no differentiable path to {what} (it reaches it only through inputs that carry no "

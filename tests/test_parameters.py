@@ -549,3 +549,27 @@ def test_a_tensor_shared_by_a_running_statistic_and_a_weight_is_split_apart():
     assert not np.allclose(s.parameters()["zeros"], 0.0)
 
 
+def test_a_parameter_recorded_with_requires_grad_false_is_not_trained():
+    """onnxgrad.from_torch marks PyTorch's frozen parameters on their initializers; the policy reads the mark
+    (this test needs no torch: the mark is written by hand)."""
+    from onnxgrad.params import REQUIRES_GRAD_KEY
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
+             for name, shape in (("proj.weight", (3, 4)), ("fc.weight", (2, 3)))]
+    inits[0].metadata_props.add(key=REQUIRES_GRAD_KEY, value="false")
+    graph = helper.make_graph(
+        [helper.make_node("Gemm", ["x", "proj.weight"], ["h"], transB=1),
+         helper.make_node("Gemm", ["h", "fc.weight"], ["y"], transB=1)],
+        "frozen_projection", [helper.make_tensor_value_info("x", F, [2, 4])],
+        [helper.make_tensor_value_info("y", F, [2, 2])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    report = parameters(model)
+    assert report.trainable == ["fc.weight"]
+    assert "requires_grad=False" in report["proj.weight"].reason
+    s = TrainingSession(model, loss=losses.MSELoss(output="y", target="t"), optimizer=optim.SGD(lr=0.1))
+    s.step({"x": rng.standard_normal((2, 4)).astype(np.float32), "t": np.zeros((2, 2), np.float32)})
+    assert list(s.spec.params) == ["fc.weight"]
+    kept = {i.name: numpy_helper.to_array(i) for i in s.exported_model().graph.initializer}
+    np.testing.assert_array_equal(kept["proj.weight"], numpy_helper.to_array(inits[0]))
+    assert not np.array_equal(kept["fc.weight"], numpy_helper.to_array(inits[1]))

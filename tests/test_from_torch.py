@@ -1,0 +1,413 @@
+"""onnxgrad.from_torch: small PyTorch architectures exported with it train in a TrainingSession as
+``model.train()`` + the same torch.optim optimizer train them: the loss of every step, the parameters
+and the BatchNorm running statistics after the steps agree to float32 rounding."""
+from __future__ import annotations
+
+import copy
+import functools
+import math
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+torch = pytest.importorskip("torch")
+nn = torch.nn
+F = torch.nn.functional
+
+import onnxgrad  # noqa: E402
+from onnxgrad import TrainingSession, losses, optim  # noqa: E402
+from onnxgrad.params import REQUIRES_GRAD_KEY  # noqa: E402
+from onnxgrad.torch_export import FROM_TORCH_KEY, TORCH_TRAINING_KEY, TorchExportError  # noqa: E402
+
+STEPS = 4
+RTOL = 1e-5            # float32: the relative difference of a loss, a parameter or a running statistic
+WORST: dict[str, float] = {}
+
+
+# -- the architectures --------------------------------------------------------------------------------
+class SqueezeExcite(nn.Module):
+    def __init__(self, channels: int):
+        super().__init__()
+        self.reduce = nn.Linear(channels, channels // 2)
+        self.expand = nn.Linear(channels // 2, channels)
+
+    def forward(self, x):
+        w = torch.sigmoid(self.expand(F.relu(self.reduce(x.mean((2, 3))))))
+        return x * w[:, :, None, None]
+
+
+class ResidualCNN(nn.Module):
+    """Conv-BN-ReLU, then a residual block whose branch is Conv-BN-squeeze-excitation."""
+
+    def __init__(self, classes: int = 5):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1, bias=False)   # a bias before BatchNorm has no gradient
+        self.stem_bn = nn.BatchNorm2d(8)
+        self.conv = nn.Conv2d(8, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8, momentum=0.2)
+        self.se = SqueezeExcite(8)
+        self.head = nn.Linear(8, classes)
+
+    def forward(self, x):
+        h = F.relu(self.stem_bn(self.stem(x)))
+        h = F.relu(h + self.se(self.bn(self.conv(h))))
+        return self.head(h.mean((2, 3)))
+
+
+class LSTMClassifier(nn.Module):
+    def __init__(self, features: int = 6, hidden: int = 8, classes: int = 4):
+        super().__init__()
+        self.lstm = nn.LSTM(features, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        out, _ = self.lstm(x)
+        return self.head(out[:, -1])
+
+
+class TransformerClassifier(nn.Module):
+    """nn.TransformerEncoder (LayerNorm, GELU) over a sequence, mean-pooled. Without biases: the attention's
+    key bias has no gradient (softmax cancels it) but rounding, which Adam divides by its own magnitude."""
+
+    def __init__(self, features: int = 6, width: int = 16, classes: int = 4, dropout: float = 0.0):
+        super().__init__()
+        self.embed = nn.Linear(features, width)
+        layer = nn.TransformerEncoderLayer(width, nhead=2, dim_feedforward=32, dropout=dropout, activation="gelu",
+                                           batch_first=True, bias=False)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x):
+        return self.head(self.encoder(self.embed(x)).mean(1))
+
+
+class CausalBlock(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.query = nn.Linear(width, width)
+        self.key = nn.Linear(width, width, bias=False)      # a key bias has no gradient: softmax cancels it
+        self.value = nn.Linear(width, width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(approximate="tanh"), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        n, t, c = x.shape
+        h = self.ln1(x)
+        q, k, v = self.query(h), self.key(h), self.value(h)
+        q, k, v = (z.view(n, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
+        scores = scores.masked_fill(self.mask[:t, :t] == 0, float("-inf"))
+        y = (F.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(n, t, c)
+        x = x + self.proj(y)
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """A GPT-style language model whose LM head is the token embedding (tied weights)."""
+
+    def __init__(self, vocab: int = 11, width: int = 16, context: int = 8, layers: int = 2):
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, width)
+        self.positions = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(CausalBlock(width, 2) for _ in range(layers))
+        mask = torch.tril(torch.ones(context, context))
+        for block in self.blocks:
+            block.register_buffer("mask", mask)
+        self.ln = nn.LayerNorm(width)
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.tokens.weight
+
+    def forward(self, ids):
+        h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+        for block in self.blocks:
+            h = block(h)
+        return self.lm_head(self.ln(h)).transpose(1, 2)      # (N, vocab, T): cross_entropy's class axis 1
+
+
+class FrozenAndBuffer(nn.Module):
+    """An MLP with a frozen (requires_grad=False) input projection and a registered normalising buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.project = nn.Linear(6, 12)
+        self.project.weight.requires_grad_(False)
+        self.temperature = nn.Parameter(torch.tensor(0.5), requires_grad=False)
+        self.register_buffer("centre", torch.linspace(-1, 1, 6))
+        self.hidden = nn.Linear(12, 12)
+        self.out = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.hidden(F.relu(self.project(x - self.centre))))) / self.temperature
+
+
+# -- data and the two trainers ------------------------------------------------------------------------
+def batches(kind: str, rng: np.random.Generator, n: int = 6):
+    """``STEPS`` batches of (input, target) for one architecture."""
+    for _ in range(STEPS):
+        if kind == "image":
+            yield rng.standard_normal((n, 3, 8, 8)).astype(np.float32), rng.integers(0, 5, n)
+        elif kind == "sequence":
+            yield rng.standard_normal((n, 5, 6)).astype(np.float32), rng.integers(0, 4, n)
+        elif kind == "tokens":
+            ids = rng.integers(0, 11, (n, 8))
+            yield ids, np.roll(ids, -1, axis=1)
+        elif kind == "regression":
+            yield rng.standard_normal((n, 6)).astype(np.float32), rng.standard_normal((n, 3)).astype(np.float32)
+
+
+OPTIMIZERS = {
+    "sgd": (lambda: optim.SGD(lr=0.05, momentum=0.9, weight_decay=1e-3),
+            lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=1e-3)),
+    "adamw": (lambda: optim.AdamW(lr=1e-2, weight_decay=0.05),
+              lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.05)),
+}
+
+
+def relative(a: np.ndarray, b: np.ndarray) -> float:
+    """The largest difference relative to the reference's scale (its largest magnitude, at least 1e-3)."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-3)) if b.size else 0.0
+
+
+@functools.lru_cache(maxsize=None)
+def exported(name: str) -> onnx.ModelProto:
+    """The from_torch export of case ``name``'s module (made once; each test trains a copy)."""
+    module, example = fresh(name)
+    return onnxgrad.from_torch(module, (torch.from_numpy(example),), dynamic_batch=True,
+                               input_names=["x"], output_names=["logits"])
+
+
+def fresh(name: str) -> tuple[nn.Module, np.ndarray]:
+    """Case ``name``'s module, initialised from seed 0 and in train mode, and an example input of batch 2."""
+    make, kind, _ = CASES[name]
+    torch.manual_seed(0)
+    module = make().train()
+    example, _ = next(batches(kind, np.random.default_rng(1), n=2))
+    return module, example
+
+
+def train_both(name: str, optimizer: str):
+    """Train case ``name``'s module for STEPS steps in PyTorch (train mode) and in a TrainingSession on its
+    from_torch export, on the same batches; compare losses, parameters and running statistics."""
+    _, data_kind, loss = CASES[name]
+    reference, _ = fresh(name)
+    model = copy.deepcopy(exported(name))
+    make, make_torch = OPTIMIZERS[optimizer]
+    loss_fn = (losses.CrossEntropyLoss(output="logits", target="y") if loss == "cross_entropy"
+               else losses.MSELoss(output="logits", target="y"))
+    session = TrainingSession(model, loss=loss_fn, optimizer=make())
+    torch_optimizer = make_torch([p for p in reference.parameters() if p.requires_grad])
+    torch_loss = F.cross_entropy if loss == "cross_entropy" else F.mse_loss
+    worst = {"loss": 0.0, "parameter": 0.0, "running statistic": 0.0}
+    for x, y in batches(data_kind, np.random.default_rng(0)):
+        got = session.step({"x": x, "y": y})
+        torch_optimizer.zero_grad()
+        expected = torch_loss(reference(torch.from_numpy(x)), torch.from_numpy(y))
+        expected.backward()
+        torch_optimizer.step()
+        worst["loss"] = max(worst["loss"], relative(got, expected.item()))
+    state = {k: v.detach().numpy() for k, v in reference.state_dict().items()}
+    params = session.parameters()
+    # the session trains exactly PyTorch's requires_grad parameters, each once (a tied one under one of its names)
+    by_name = dict(reference.named_parameters(remove_duplicate=False))
+    assert sorted(id(by_name[n]) for n in session.spec.params) == sorted(
+        id(p) for p in reference.parameters() if p.requires_grad)
+    for n, value in params.items():
+        worst["parameter"] = max(worst["parameter"], relative(value, state[n]))
+    for n, value in session.buffers().items():
+        worst["running statistic"] = max(worst["running statistic"], relative(value, state[n]))
+    # inference after training: the session's exported model in stock onnxruntime is PyTorch's eval()
+    x, _ = next(batches(data_kind, np.random.default_rng(2)))
+    inference = ort.InferenceSession(session.exported_model().SerializeToString(), providers=["CPUExecutionProvider"])
+    with torch.no_grad():
+        expected = reference.eval()(torch.from_numpy(x)).numpy()
+    worst["exported model's output"] = relative(inference.run(["logits"], {"x": x})[0], expected)
+    WORST[f"{name}/{optimizer}"] = max(worst.values())
+    print(f"{name} {optimizer}: " + ", ".join(f"worst {k} {v:.1e}" for k, v in worst.items()))
+    for what, value in worst.items():
+        assert value <= RTOL, f"{name} with {optimizer}: {what} differs by {value:.2e} relative after {STEPS} steps"
+    return session, model
+
+
+# -- the trajectories ---------------------------------------------------------------------------------
+CASES = {
+    "cnn_bn_se_residual": (lambda: ResidualCNN(), "image", "cross_entropy"),
+    "lstm_classifier": (lambda: LSTMClassifier(), "sequence", "cross_entropy"),
+    "transformer_encoder": (lambda: TransformerClassifier(), "sequence", "cross_entropy"),
+    "gpt_tied_head": (lambda: TinyGPT(), "tokens", "cross_entropy"),
+    "frozen_and_buffer": (lambda: FrozenAndBuffer(), "regression", "mse"),
+}
+
+
+# the inner loop (-m "not slow") trains the BatchNorm CNN with SGD and the frozen-parameter MLP; the rest
+# runs with the slow suites (an export and a session build take seconds each)
+FAST = {("cnn_bn_se_residual", "sgd"), ("frozen_and_buffer", "sgd"), ("frozen_and_buffer", "adamw")}
+
+
+@pytest.mark.parametrize("name, optimizer", [
+    pytest.param(name, opt, marks=() if (name, opt) in FAST else pytest.mark.slow)
+    for name in sorted(CASES) for opt in sorted(OPTIMIZERS)])
+def test_trains_as_pytorch(name, optimizer):
+    train_both(name, optimizer)
+
+
+def test_train_mode_false_trains_as_pytorchs_eval_mode():
+    """The same export, train_mode=False: BatchNorm on its running statistics (not updated), no Dropout."""
+    reference, _ = fresh("cnn_bn_se_residual")
+    reference.eval()
+    session = TrainingSession(copy.deepcopy(exported("cnn_bn_se_residual")), train_mode=False,
+                              loss=losses.CrossEntropyLoss(output="logits", target="y"),
+                              optimizer=OPTIMIZERS["sgd"][0]())
+    torch_optimizer = OPTIMIZERS["sgd"][1](reference.parameters())
+    for x, y in batches("image", np.random.default_rng(0)):
+        got = session.step({"x": x, "y": y})
+        torch_optimizer.zero_grad()
+        expected = F.cross_entropy(reference(torch.from_numpy(x)), torch.from_numpy(y))
+        expected.backward()
+        torch_optimizer.step()
+        assert relative(got, expected.item()) <= RTOL
+    state = reference.state_dict()
+    for name, value in session.parameters().items():
+        assert relative(value, state[name].numpy()) <= RTOL, name
+    assert session.buffers() == {}
+
+
+# -- what the export holds and records ----------------------------------------------------------------
+def test_the_export_is_standard_onnx_and_records_its_origin():
+    module, example = fresh("frozen_and_buffer")
+    model = exported("frozen_and_buffer")
+    onnx.checker.check_model(model, full_check=True)
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert meta[FROM_TORCH_KEY] == torch.__version__ and meta[TORCH_TRAINING_KEY] == "true"
+    inits = {i.name: {p.key: p.value for p in i.metadata_props} for i in model.graph.initializer}
+    marked = {n for n, props in inits.items() if props.get(REQUIRES_GRAD_KEY) == "false"}
+    assert marked == {"project.weight", "temperature"}
+    report = onnxgrad.parameters(losses.mse_loss(model, output="logits", target="y"))
+    assert sorted(report.trainable) == sorted(n for n, p in module.named_parameters() if p.requires_grad)
+    assert "requires_grad=False" in report["project.weight"].reason
+    assert "buffer" in report["centre"].reason
+    # the batch axis is dynamic: a batch of 5 runs although the example had 2
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = np.random.default_rng(3).standard_normal((5, 6)).astype(np.float32)
+    with torch.no_grad():
+        np.testing.assert_allclose(sess.run(["logits"], {"x": x})[0], module.eval()(torch.from_numpy(x)).numpy(),
+                                   rtol=1e-5, atol=1e-6)
+
+
+def test_every_parameter_stays_one_tensor_under_its_pytorch_name():
+    """No folding and no merging: BatchNorm nodes and their running statistics are there, and parameters that
+    hold equal values (zero biases, norm weights of 1) stay apart."""
+    module, _ = fresh("cnn_bn_se_residual")
+    model = exported("cnn_bn_se_residual")
+    names = {i.name for i in model.graph.initializer}
+    assert set(module.state_dict()) - {n for n in module.state_dict() if n.endswith("num_batches_tracked")} <= names
+    assert sum(n.op_type == "BatchNormalization" for n in model.graph.node) == 2
+    assert np.array_equal(module.stem_bn.bias.detach().numpy(), module.bn.bias.detach().numpy())   # both zeros
+
+
+def test_dropout_is_present_and_active_in_training_only():
+    torch.manual_seed(0)
+    module = TransformerClassifier(dropout=0.5).eval()          # the module's own mode: recorded, restored
+    x, y = next(batches("sequence", np.random.default_rng(0)))
+    model = onnxgrad.from_torch(module, (torch.from_numpy(x),), input_names=["x"], output_names=["logits"])
+    assert not any(m.training for m in module.modules())
+    assert {p.key: p.value for p in model.metadata_props}[TORCH_TRAINING_KEY] == "false"
+    assert sum(n.op_type == "Dropout" for n in model.graph.node) >= 4
+    session = TrainingSession(model, loss=losses.CrossEntropyLoss(output="logits", target="y"),
+                              optimizer=optim.SGD(lr=0.0))
+    steps = [session.step({"x": x, "y": y}) for _ in range(3)]
+    evaluated = session.eval({"x": x, "y": y})
+    with torch.no_grad():
+        expected = F.cross_entropy(module(torch.from_numpy(x)), torch.from_numpy(y)).item()
+    assert relative(evaluated["loss"], expected) <= RTOL          # eval(): no dropout, PyTorch's eval()
+    assert len(set(steps)) == 3 and all(abs(s - expected) > 1e-4 for s in steps)   # a fresh mask per step
+
+
+class MaskedMean(nn.Module):
+    """Two inputs, the second a keyword argument: a padding mask over the sequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 4)
+
+    def forward(self, x, mask=None):
+        h = self.proj(x) * mask[..., None]
+        return h.sum(1) / mask.sum(1, keepdim=True)
+
+
+def test_keyword_arguments_and_a_dynamic_batch():
+    module = MaskedMean()
+    x, mask = torch.randn(2, 5, 6), torch.ones(2, 5)
+    model = onnxgrad.from_torch(module, (x,), {"mask": mask}, dynamic_batch=True)
+    assert [i.name for i in model.graph.input] == ["x", "mask"]
+    assert all(i.type.tensor_type.shape.dim[0].dim_param == "batch" for i in model.graph.input)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x, mask = torch.randn(3, 5, 6), (torch.rand(3, 5) > 0.3).float() + torch.eye(3, 5)
+    with torch.no_grad():
+        expected = module(x, mask=mask).numpy()
+    np.testing.assert_allclose(sess.run(None, {"x": x.numpy(), "mask": mask.numpy()})[0], expected, rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.slow                   # the GPT export; its trajectories are slow too
+def test_a_tied_head_is_one_initializer():
+    module, _ = fresh("gpt_tied_head")
+    model = exported("gpt_tied_head")
+    holders = [i.name for i in model.graph.initializer if i.name in ("tokens.weight", "lm_head.weight")]
+    assert len(holders) == 1
+    report = onnxgrad.parameters(losses.cross_entropy(model, output="logits", target="y"))
+    assert holders[0] in report.trainable
+    assert len(report.trainable) == len(list(module.parameters()))      # parameters() counts a tied one once
+
+
+# -- what is refused ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("option, message", [
+    ({"optimize": True}, "optimize=True would break training"),
+    ({"dynamo": False}, "dynamo=False would break training"),
+    ({"f": "model.onnx"}, "onnx.save"),
+    ({"training": 1}, "module.train()"),
+    ({"dynamic_batch": True, "dynamic_shapes": {"x": {0: "n"}}}, "not both"),
+])
+def test_options_that_would_break_training_are_refused(option, message):
+    with pytest.raises(TorchExportError, match=message):
+        onnxgrad.from_torch(nn.Linear(2, 2), (torch.zeros(1, 2),), **option)
+
+
+def test_the_settings_training_needs_may_be_given():
+    model = onnxgrad.from_torch(nn.Linear(2, 2), (torch.zeros(1, 2),), dynamo=True, optimize=False, opset_version=18)
+    assert next(o.version for o in model.opset_import if o.domain in ("", "ai.onnx")) == 18
+
+
+def test_batch_norms_it_cannot_train_as_pytorch_are_refused():
+    for layer, message in ((nn.BatchNorm1d(3, momentum=None), "momentum=None"),
+                           (nn.BatchNorm1d(3, track_running_stats=False), "track_running_stats=False")):
+        with pytest.raises(TorchExportError, match=message):
+            onnxgrad.from_torch(nn.Sequential(nn.Linear(2, 3), layer), (torch.zeros(2, 2),))
+    mixed = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.Dropout(0.1)).train()
+    mixed[1].eval()
+    with pytest.raises(TorchExportError, match="different modes"):
+        onnxgrad.from_torch(mixed, (torch.zeros(2, 2),))
+
+
+class ReturnsAnObject(nn.Module):
+    def forward(self, x):
+        return {"value": x, "shape": object()}
+
+
+def test_a_module_the_exporter_cannot_export_is_one_error_of_ours():
+    with pytest.raises(TorchExportError, match="could not export ReturnsAnObject") as e:
+        onnxgrad.from_torch(ReturnsAnObject(), (torch.zeros(2),))
+    assert "\n" not in str(e.value) and isinstance(e.value.__cause__, torch.onnx.OnnxExporterError)
+
+
+def test_without_torch_the_error_says_how_to_install_it(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(TorchExportError, match=r'pip install "onnxgrad\[torch\]"'):
+        onnxgrad.from_torch(object(), ())
