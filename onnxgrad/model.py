@@ -343,7 +343,8 @@ def _recover_ranks(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Types with a shape for tensors onnx's inference left without one, from what their readers imply:
     a shape-preserving op gives its input its output's shape; a broadcasting op gives an input of
     unknown rank its output's rank when every other input is of lower rank; MatMul gives an operand
-    the rank its output and the other operand imply. Dims not implied are left unknown."""
+    the rank its output and the other operand imply; a Transpose's perm gives its input's rank. Dims not
+    implied are left unknown."""
     g = model.graph
     values = list(g.input) + list(g.value_info) + list(g.output)
     shaped = {vi.name for vi in values if vi.type.tensor_type.HasField("shape")}
@@ -381,6 +382,9 @@ def _recover_ranks(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     for node in reversed(list(g.node)):
         if node.domain not in ("", "ai.onnx") or not node.output or not node.input:
             continue
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        if node.op_type == "Transpose" and perm:
+            give(node.input[0], None, len(perm))        # perm names every axis of the input
         out = node.output[0]
         r_out = rank(out)
         if r_out is None:
@@ -447,6 +451,7 @@ def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = ()) -> tuple[o
         elif init.name not in inputs:
             cg.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     taken = {i.name for i in cg.input} | defined_names(g)
+    shapes = _static_shapes(cg)
     opset = opset_of(model)
     pending = list(reversed(g.node))    # a stack: the next node last
     kept, decided = [], 0
@@ -458,7 +463,7 @@ def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = ()) -> tuple[o
             pending.extend(reversed(_inlined(branch, node.output, taken)))
             decided += 1
             continue
-        folded = _folded(node, values, opset)
+        folded = _folded(node, values, opset) or _shape_folded(node, shapes)
         if folded is None:
             kept.append(node)
             continue
@@ -483,6 +488,33 @@ def _integral(dtype: int) -> bool:
     return dtype in (onnx.TensorProto.BOOL, onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32,
                      onnx.TensorProto.INT64, onnx.TensorProto.UINT8, onnx.TensorProto.UINT16,
                      onnx.TensorProto.UINT32, onnx.TensorProto.UINT64)
+
+
+def _static_shapes(g: onnx.GraphProto) -> dict[str, tuple[int, ...]]:
+    """The shapes the graph's inputs and initializers are declared with, where every dim is a number: a
+    value fed there has that shape, whatever its values (an initializer that is also an input, a default
+    the caller may override, has the input's declared shape)."""
+    shapes = {t.name: tuple(t.dims) for t in g.initializer}
+    for vi in g.input:
+        shapes.pop(vi.name, None)
+        tt = vi.type.tensor_type
+        if vi.type.HasField("tensor_type") and tt.HasField("shape") and all(
+                d.HasField("dim_value") for d in tt.shape.dim):
+            shapes[vi.name] = tuple(d.dim_value for d in tt.shape.dim)
+    return shapes
+
+
+def _shape_folded(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
+    """Shape(x) and Size(x) of a tensor of static declared shape (AffineGrid's body decides its 2-D or 3-D
+    branch by Size(size), size an int64[4] graph input): known at build time without x's values."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("Shape", "Size") or node.input[0] not in shapes:
+        return None
+    shape = shapes[node.input[0]]
+    if node.op_type == "Size":
+        return {node.output[0]: np.array(int(np.prod(shape)), np.int64)}
+    attrs = {a.name: a.i for a in node.attribute}
+    start, end = attrs.get("start", 0), attrs.get("end", len(shape))
+    return {node.output[0]: np.array(shape[slice(start, end)], np.int64)}
 
 
 def _folded(node: onnx.NodeProto, values: dict[str, np.ndarray], opset: int) -> dict[str, np.ndarray] | None:
@@ -566,7 +598,9 @@ def _rename_reads(g: onnx.GraphProto, env: dict[str, str]) -> None:
 def _specialized_shapes(model: onnx.ModelProto, inferred: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Types with a shape (or more known dims) for the tensors of ``model`` that onnx's inference of it
     left without, found by inferring :func:`_specialized`'s copy, where each If decided at build time is
-    its taken branch; the model itself is not changed."""
+    its taken branch; the model itself is not changed. The symbols that inference of the copy makes up
+    for unknown dims ('unk__3') are dropped: the model's own inference makes up the same names for other
+    dims, and onnxruntime takes two dims of one name for equal."""
     copy, _ = _specialized(model)
     if copy is None:
         return {}
@@ -577,13 +611,20 @@ def _specialized_shapes(model: onnx.ModelProto, inferred: onnx.ModelProto) -> di
     types = tensor_infos(found)[1]
     g = inferred.graph
     have = {vi.name: vi.type for vi in list(g.value_info) + list(g.output)}
+    declared = {d.dim_param for vi in list(model.graph.input) + list(model.graph.output)
+                if (s := _shape_of(vi.type)) is not None for d in s.dim if d.dim_param}
     out = {}
     for node in model.graph.node:
         for name in node.output:
             new, old = _shape_of(types.get(name)), _shape_of(have.get(name))
             if new is None or (old is not None and (len(old.dim) != len(new.dim) or _known(old) >= _known(new))):
                 continue
-            out[name] = types[name]
+            tp = onnx.TypeProto()
+            tp.CopyFrom(types[name])
+            for d in tp.tensor_type.shape.dim:
+                if d.dim_param and d.dim_param not in declared:
+                    d.ClearField("dim_param")
+            out[name] = tp
     return out
 
 

@@ -145,6 +145,20 @@ m (float[2,3] x, float[3,4] w, float[3] v) => (float[{y}] y) {{
 IF_CONSTANT_2D = IF_CONSTANT.format(y="A,B", n=2, size="2, 3")        # then: t is [2,3]
 IF_CONSTANT_3D = IF_CONSTANT.format(y="A,B,C", n=3, size="1, 2, 3")   # else: t is [1,2,3]
 
+# AffineGrid's function body with its size a graph input (int64[4], values fed at run time): the If is decided
+# by Size(size), which the declared shape gives at build time; its branches' ranks differ (the else branch
+# never runs), so only the taken branch tells t's rank; the then-branch expands to the run-time size.
+IF_SIZE_INPUT = """
+m (int64[2] size, float[2,3] x, float[3,4] w, float[3] v) => (float[A,B] y) {
+    n = Size (size)
+    two = Constant <value = int64 {2}> ()
+    is2d = Equal (n, two)
+    t = If (is2d) <
+      then_branch = g1 () => (a) { s = Sin (x)  sv = Mul (s, v)  a = Expand (sv, size) },
+      else_branch = g2 () => (b) { zero = Constant <value = int64[1] {0}> ()  p = Mul (x, v)  b = Unsqueeze (p, zero) }>
+    y = MatMul (t, w)
+}"""
+
 
 def _constant_if_feeds():
     return {"x": _f(2, 3), "w": _f(3, 4), "v": _f(3)}
@@ -171,6 +185,8 @@ CASES = {
     "loop_nested_if": (LOOP_NESTED_IF, lambda: {"h0": _f(3), "w": _f(3), "v": _f(3)}),
     "if_constant_then": (IF_CONSTANT_2D, _constant_if_feeds),
     "if_constant_else": (IF_CONSTANT_3D, _constant_if_feeds),
+    "if_decided_by_input_size": (IF_SIZE_INPUT, lambda: {"size": np.array([2, 3], np.int64),
+                                                         **_constant_if_feeds()}),
 }
 
 
@@ -279,13 +295,17 @@ def test_constant_if_is_its_taken_branch(text, rank, zero):
 
 def test_constant_if_condition_values():
     """The condition is folded from constants (through the first If's taken branch); a graph input, even one
-    with an initializer (a default the caller may override), is never taken as a constant."""
+    with an initializer (a default the caller may override), is never taken as a constant: only its declared
+    shape is (its Size, when every dim is a number)."""
     model = _model(IF_CONSTANT_2D, 13)
     values = onnxgrad.model.constant_values(model)
     assert values["k"] == 1 and values["first"] and list(values["shape"]) == [1, 2, 3]
     size = next(n for n in model.graph.node if n.output[0] == "size")
     model.graph.node.remove(size)
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([2, 3], np.int64), "size"))
-    model.graph.input.append(onnx.helper.make_tensor_value_info("size", onnx.TensorProto.INT64, [2]))
-    values = onnxgrad.model.constant_values(model)
-    assert not {"n", "is2d", "k", "first", "shape"} & set(values)
+    for dims, folded in (([2], {"n", "is2d", "k", "first"}), (["K"], set())):
+        del model.graph.input[:]
+        model.graph.input.extend(_model(IF_CONSTANT_2D, 13).graph.input)
+        model.graph.input.append(onnx.helper.make_tensor_value_info("size", onnx.TensorProto.INT64, dims))
+        values = onnxgrad.model.constant_values(model)
+        assert {"n", "is2d", "k", "first", "shape"} & set(values) == folded, dims
