@@ -229,6 +229,43 @@ def test_second_order(name):
     assert r.ok(1e-5), f"{name}: second-order errors {r.errors}"
 
 
+# Scan-8 (opset 8) scans every input and output along a leading batch axis; Scan-9 has none.
+SCAN8_BATCH = """
+m (float[2,3] h0, float[2,4,3] xs, float[3,3] W) => (float[2,3] h, float[2,4,3] ys) {
+    h, ys = Scan ("", h0, xs) <num_scan_inputs = 1, directions = [1],
+      body = step (float[3] hp, float[3] x) => (float[3] hn, float[3] y) {
+        r = MatMul (hp, W)
+        a = Add (r, x)
+        hn = Tanh (a)
+        y = Mul (hn, x)
+    }>
+}"""
+
+
+def test_scan8_keeps_its_batch_axis():
+    """An opset-8 Scan keeps its interface through the upgrade (onnx's converter strips the batch axis from the
+    declared shapes: test_scan_sum's gradient model took a seed of another rank than the model's output): the
+    forward is onnxruntime's Scan-8, and the gradients hold in float32 and float64."""
+    import onnxruntime as ort
+
+    model = _model(SCAN8_BATCH, 8)
+    feeds = {"h0": _f(2, 3), "xs": _f(2, 4, 3), "W": _f(3, 3)}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = dict(zip(["h", "ys"], session.run(None, feeds)))
+    loaded = onnxgrad.model.load(model)
+    assert [d.dim_value for d in loaded.graph.input[0].type.tensor_type.shape.dim] == [2, 3]
+    got = Runner(loaded)(feeds)
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-6)
+    gm = onnxgrad.grad(model, wrt=["h0", "xs", "W"], of=["h", "ys"])
+    onnx.checker.check_model(gm, full_check=True)
+    seeds = {s: np.ones_like(expected[o]) for o, s in gradient_spec(gm)["seeds"].items()}
+    Runner(gm, runtime="onnxruntime")({**feeds, **seeds})         # the seeds have the outputs' shapes
+    assert check(model, gm, feeds, max_elements=48).ok(2e-3)
+    r64 = check(model, gm, feeds, max_elements=48, analytic_run=run_float64)
+    assert r64.ok(1e-6), r64.errors
+
+
 def test_iterations_stored_not_intermediates():
     """The forward Scan stores the state at each step (its extra scan outputs), nothing more."""
     model = _model(SCAN_RNN, OPSETS[-1])
