@@ -22,7 +22,6 @@ The backward nodes are made of If/Loop/Scan and ops with rules, so ``grad(grad(m
 """
 from __future__ import annotations
 
-import itertools
 import json
 from dataclasses import dataclass
 
@@ -160,12 +159,12 @@ def _body_vjp(n: Node, body: onnx.GraphProto, input_infos: list[TensorInfo], wrt
                 relaxed = True
         if not relaxed:
             break
-    for vi, fallback in itertools.zip_longest(model.graph.output, output_infos[:len(model.graph.output)]):
+    for k, vi in enumerate(model.graph.output):
         if not vi.type.tensor_type.elem_type and vi.name in inferred:
             vi.CopyFrom(_value_info(vi.name, inferred[vi.name]))
-        if not vi.type.tensor_type.HasField("shape") and fallback is not None and fallback.shape is not None:
-            vi.CopyFrom(_value_info(vi.name, TensorInfo(vi.type.tensor_type.elem_type or fallback.dtype,
-                                                        fallback.shape)))
+        told = output_infos[k] if k < len(output_infos) else None
+        if not vi.type.tensor_type.HasField("shape") and told is not None and told.shape is not None:
+            vi.CopyFrom(_value_info(vi.name, TensorInfo(vi.type.tensor_type.elem_type or told.dtype, told.shape)))
     of_names = [outs[k] for k in of]
     for k, name in zip(of, of_names):
         if not _is_float(inferred.get(name)):
