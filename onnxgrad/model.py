@@ -12,7 +12,7 @@ import onnx.inliner
 import onnx.version_converter
 from onnx import helper, numpy_helper, shape_inference
 
-from .builder import FLOAT_TYPES, TensorInfo
+from .builder import FLOAT_TYPES, NameScope, TensorInfo
 from .errors import InvalidModelError
 from .files import is_held, nbytes, stripped
 
@@ -136,16 +136,7 @@ def _scan8_batch_kept(original: onnx.ModelProto, model: onnx.ModelProto) -> None
     scans = [n for n in g.node if n.op_type == "Scan" and n.domain in ("", "ai.onnx")]
     if not scans:
         return
-    taken = defined_names(g)
-
-    def fresh(base: str) -> str:
-        name, k = base, 0
-        while name in taken:
-            k += 1
-            name = f"{base}_{k}"
-        taken.add(name)
-        return name
-
+    fresh = NameScope(defined_names(g)).fresh
     nodes = []
     for node in g.node:
         if node not in scans:

@@ -170,15 +170,20 @@ def _keep_ratio_plan(n: Node, scale: float, size_in: int) -> dict:
     if abs(scale * size_in - out) < 1e-6 * max(out, 1):
         return {"size": out}
     # round(scale * in) > floor(scale * in): resize an input made longer by repeating its last element (what
-    # the coordinate clamp reads past the edge) at the same scale, and keep the first `out` outputs. Right
-    # where an output's source coordinate does not depend on the input's length
+    # the coordinate clamp reads past the edge) at the same scale, and keep the first `out` outputs
+    _decline_unless_extendable(n, f"where round(scale * in) differs from floor(scale * in) (scale {scale:g}, "
+                                  f"input size {size_in})")
+    return {"scale": float(np.float32(scale)), "rows": out, "pad": int(np.ceil(2.0 / scale)) + 2}
+
+
+def _decline_unless_extendable(n: Node, case: str) -> None:
+    """Resizing a longer input and keeping the first outputs is right only where an output's source coordinate
+    does not depend on the input's length (and no tap weight on the input's edge: cubic's exclude_outside)."""
     ctm = n.attr("coordinate_transformation_mode", "half_pixel")
     cubic_inside = n.attr("mode", "nearest") == "cubic" and n.attr("exclude_outside", 0)
     if ctm not in ("half_pixel", "asymmetric", "tf_half_pixel_for_nn", "pytorch_half_pixel") or cubic_inside:
-        n.decline("Resize with keep_aspect_ratio_policy where round(scale * in) differs from floor(scale * in) "
-                      f"(scale {scale:g}, input size {size_in}) and coordinate_transformation_mode '{ctm}'"
-                      + (" with exclude_outside" if cubic_inside else ""))
-    return {"scale": float(np.float32(scale)), "rows": out, "pad": int(np.ceil(2.0 / scale)) + 2}
+        n.decline(f"Resize with keep_aspect_ratio_policy {case} and coordinate_transformation_mode '{ctm}'"
+                  + (" with exclude_outside" if cubic_inside else ""))
 
 
 def _keep_ratio_scale(n: Node, x: Var, axes: list[int], policy: str) -> Var:
@@ -196,12 +201,7 @@ def _keep_ratio_plan_at_run_time(n: Node, scale: Var, k: int) -> dict:
     an input made longer by repeating its last element, cut to the output's length (:func:`_keep_ratio_plan`'s
     third case, which holds in the other two as well: whether round(scale * in) and floor(scale * in) differ is
     not known here)."""
-    ctm = n.attr("coordinate_transformation_mode", "half_pixel")
-    cubic_inside = n.attr("mode", "nearest") == "cubic" and n.attr("exclude_outside", 0)
-    if ctm not in ("half_pixel", "asymmetric", "tf_half_pixel_for_nn", "pytorch_half_pixel") or cubic_inside:
-        n.decline("Resize with keep_aspect_ratio_policy and sizes or input dims known only at run time, and "
-                  f"coordinate_transformation_mode '{ctm}'" + (" with exclude_outside" if cubic_inside else "")
-                  + ": declare them as constants")
+    _decline_unless_extendable(n, "and sizes or input dims known only at run time (declare them as constants)")
     two = n.b.const(np.array([2.0], np.float32))
     pad = n.op.Cast(n.op.Ceil(two / scale), to=TensorProto.INT64) + n.b.ints([2])
     return {"scale": scale, "rows": n.b.shape_of(n.dy, k, k + 1), "pad": pad}
