@@ -170,6 +170,9 @@ def _scan8_batch_kept(original: onnx.ModelProto, model: onnx.ModelProto) -> None
     g.node.extend(nodes)
     types = {vi.name: vi.type for vi in list(original.graph.input) + list(original.graph.output)
              + list(original.graph.value_info)}
+    kept = [vi for vi in g.value_info if vi.name in types]        # the converter's own, unbatched, go
+    del g.value_info[:]
+    g.value_info.extend(kept)
     for vi in list(g.input) + list(g.output) + list(g.value_info):
         if vi.name in types:
             vi.type.CopyFrom(types[vi.name])

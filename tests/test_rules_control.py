@@ -229,16 +229,19 @@ def test_second_order(name):
     assert r.ok(1e-5), f"{name}: second-order errors {r.errors}"
 
 
-# Scan-8 (opset 8) scans every input and output along a leading batch axis; Scan-9 has none.
+# Scan-8 (opset 8) scans every input and output along a leading batch axis; Scan-9 has none. (xi and hs are
+# tensors inside the graph: the converter declares them unbatched in value_info.)
 SCAN8_BATCH = """
 m (float[2,3] h0, float[2,4,3] xs, float[3,3] W) => (float[2,3] h, float[2,4,3] ys) {
-    h, ys = Scan ("", h0, xs) <num_scan_inputs = 1, directions = [1],
+    xi = Identity (xs)
+    hs, ys = Scan ("", h0, xi) <num_scan_inputs = 1, directions = [1],
       body = step (float[3] hp, float[3] x) => (float[3] hn, float[3] y) {
         r = MatMul (hp, W)
         a = Add (r, x)
         hn = Tanh (a)
         y = Mul (hn, x)
     }>
+    h = Identity (hs)
 }"""
 
 
