@@ -506,7 +506,7 @@ def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = ()) -> tuple[o
         elif init.name not in inputs:
             cg.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     taken = {i.name for i in cg.input} | defined_names(g)
-    shapes = _static_shapes(cg)
+    shapes = _static_shapes(cg, model)
     opset = opset_of(model)
     pending = list(reversed(g.node))    # a stack: the next node last
     kept, decided = [], 0
@@ -545,18 +545,34 @@ def _integral(dtype: int) -> bool:
                      onnx.TensorProto.UINT32, onnx.TensorProto.UINT64)
 
 
-def _static_shapes(g: onnx.GraphProto) -> dict[str, tuple[int, ...]]:
+def _static_shapes(g: onnx.GraphProto, model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
     """The shapes the graph's inputs and initializers are declared with, where every dim is a number: a
     value fed there has that shape, whatever its values (an initializer that is also an input, a default
-    the caller may override, has the input's declared shape)."""
+    the caller may override, has the input's declared shape); where a Shape or Size reads another tensor,
+    also the static shapes onnx's inference gives the model's tensors (AffineGrid's size = Shape(x) of an
+    image of any batch is an int64[4])."""
     shapes = {t.name: tuple(t.dims) for t in g.initializer}
     for vi in g.input:
         shapes.pop(vi.name, None)
-        tt = vi.type.tensor_type
-        if vi.type.HasField("tensor_type") and tt.HasField("shape") and all(
-                d.HasField("dim_value") for d in tt.shape.dim):
-            shapes[vi.name] = tuple(d.dim_value for d in tt.shape.dim)
+        if (dims := _static_dims(vi.type)) is not None:
+            shapes[vi.name] = dims
+    if any(n.op_type in ("Shape", "Size") and n.input[0] not in shapes for n in model.graph.node):
+        try:
+            inferred = shape_inference.infer_shapes(skeleton(model), check_type=False, strict_mode=False)
+        except Exception:
+            return shapes
+        for vi in inferred.graph.value_info:
+            if vi.name not in shapes and (dims := _static_dims(vi.type)) is not None:
+                shapes[vi.name] = dims
     return shapes
+
+
+def _static_dims(tp: onnx.TypeProto) -> tuple[int, ...] | None:
+    """A tensor type's dims where every one is a number, else None."""
+    shape = _shape_of(tp)
+    if shape is None or not all(d.HasField("dim_value") for d in shape.dim):
+        return None
+    return tuple(d.dim_value for d in shape.dim)
 
 
 def _shape_folded(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:

@@ -159,6 +159,20 @@ m (int64[2] size, float[2,3] x, float[3,4] w, float[3] v) => (float[A,B] y) {
     y = MatMul (t, w)
 }"""
 
+# The same decided by the rank of an input of any batch: Size(Shape(x)) is 2, which inference tells (an
+# exporter's AffineGrid size is Shape of the image, whose batch is dynamic).
+IF_RANK_OF_INPUT = """
+m (float[N,3] x, float[3,4] w, float[3] v) => (float[N,4] y) {
+    s = Shape (x)
+    n = Size (s)
+    two = Constant <value = int64 {2}> ()
+    is2d = Equal (n, two)
+    t = If (is2d) <
+      then_branch = g1 () => (a) { e = Sin (x)  a = Mul (e, v) },
+      else_branch = g2 () => (b) { zero = Constant <value = int64[1] {0}> ()  p = Mul (x, v)  b = Unsqueeze (p, zero) }>
+    y = MatMul (t, w)
+}"""
+
 
 def _constant_if_feeds():
     return {"x": _f(2, 3), "w": _f(3, 4), "v": _f(3)}
@@ -187,6 +201,7 @@ CASES = {
     "if_constant_else": (IF_CONSTANT_3D, _constant_if_feeds),
     "if_decided_by_input_size": (IF_SIZE_INPUT, lambda: {"size": np.array([2, 3], np.int64),
                                                          **_constant_if_feeds()}),
+    "if_decided_by_input_rank": (IF_RANK_OF_INPUT, _constant_if_feeds),
 }
 
 
