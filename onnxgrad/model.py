@@ -112,70 +112,15 @@ def load(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
               f"installed {runtime} runs", file=sys.stderr)
     if version < MIN_OPSET:
         print(f"onnxgrad: upgrading the model from ai.onnx opset {version} to {MIN_OPSET}", file=sys.stderr)
-        original = model
         try:
-            model = onnx.version_converter.convert_version(model, MIN_OPSET)
+            model = _scan8_batch_kept(model, onnx.version_converter.convert_version(model, MIN_OPSET))
         except Exception as e:
             raise InvalidModelError(
                 f"the model uses ai.onnx opset {version}, and onnx's version converter cannot upgrade it to "
                 f"{MIN_OPSET}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}; "
                 f"re-export it at opset {MIN_OPSET} or newer"
             ) from None
-        if version < 9:
-            _scan8_batch_kept(original, model)
     return model
-
-
-def _scan8_batch_kept(original: onnx.ModelProto, model: onnx.ModelProto) -> None:
-    """Scan-8 runs its body once per element of a leading batch axis of every input and output; onnx's
-    converter makes it a Scan-9, which has none, and strips that axis from the declared shapes: the upgraded
-    model would take other inputs than the model (test_scan_sum: initial [1, 2] became [2]). Each such Scan
-    becomes a Loop over the batch, its body the Scan-9 on one element (Gather), its outputs the Loop's scan
-    outputs (stacked on axis 0 again); the declared types are the model's own."""
-    g = model.graph
-    scans = [n for n in g.node if n.op_type == "Scan" and n.domain in ("", "ai.onnx")]
-    if not scans:
-        return
-    fresh = NameScope(defined_names(g)).fresh
-    nodes = []
-    for node in g.node:
-        if node not in scans:
-            nodes.append(node)
-            continue
-        first = node.input[0]
-        zero = fresh(f"{first}_batch_axis")
-        shape, trips = fresh(f"{first}_shape"), fresh(f"{node.name or 'Scan'}_batch")
-        nodes += [helper.make_node("Constant", [], [zero], value=numpy_helper.from_array(np.array(0, np.int64))),
-                  helper.make_node("Shape", [first], [shape]),
-                  helper.make_node("Gather", [shape, zero], [trips], axis=0)]
-        i, cond, cond_out = fresh("batch_index"), fresh("batch_cond"), fresh("batch_cond_out")
-        body = [helper.make_node("Identity", [cond], [cond_out])]
-        one = []
-        for x in node.input:
-            one.append(fresh(f"{x}_one"))
-            body.append(helper.make_node("Gather", [x, i], [one[-1]], axis=0))
-        outs = [fresh(f"{y}_one") for y in node.output]
-        scan = helper.make_node("Scan", one, outs, name=node.name)
-        scan.attribute.extend(node.attribute)
-        body.append(scan)
-        graph = helper.make_graph(
-            body, fresh(f"{node.name or 'Scan'}_per_batch_element"),
-            [helper.make_tensor_value_info(i, onnx.TensorProto.INT64, []),
-             helper.make_tensor_value_info(cond, onnx.TensorProto.BOOL, [])],
-            [helper.make_tensor_value_info(cond_out, onnx.TensorProto.BOOL, [])]
-            + [helper.make_empty_tensor_value_info(y) for y in outs])
-        nodes.append(helper.make_node("Loop", [trips, ""], list(node.output),
-                                      name=fresh(f"{node.name or 'Scan'}_over_batch"), body=graph))
-    del g.node[:]
-    g.node.extend(nodes)
-    types = {vi.name: vi.type for vi in list(original.graph.input) + list(original.graph.output)
-             + list(original.graph.value_info)}
-    kept = [vi for vi in g.value_info if vi.name in types]        # the converter's own, unbatched, go
-    del g.value_info[:]
-    g.value_info.extend(kept)
-    for vi in list(g.input) + list(g.output) + list(g.value_info):
-        if vi.name in types:
-            vi.type.CopyFrom(types[vi.name])
 
 
 def _pads_on_every_axis(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -219,6 +164,60 @@ def _pads_on_every_axis(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 # initializers at least this large are left out of a skeleton (data_prop reads only small ones)
+def _scan8_batch_kept(original: onnx.ModelProto, model: onnx.ModelProto) -> onnx.ModelProto:
+    """Scan-8 runs its body once per element of a leading batch axis of every input and output; onnx's
+    converter makes it a Scan-9, which has none, and strips that axis from the declared shapes: the upgraded
+    model would take other inputs than the model (test_scan_sum: initial [1, 2] became [2]). Each such Scan
+    becomes a Loop over the batch, its body the Scan-9 on one element (Gather), its outputs the Loop's scan
+    outputs (stacked on axis 0 again); the declared types are the model's own. Returns ``model``, the
+    converted ``original``, changed in place."""
+    g = model.graph
+    scans = [n for n in g.node if n.op_type == "Scan" and n.domain in ("", "ai.onnx")]
+    if opset_of(original) >= 9 or not scans:
+        return model
+    fresh = NameScope(defined_names(g)).fresh
+    nodes = []
+    for node in g.node:
+        if node not in scans:
+            nodes.append(node)
+            continue
+        first = node.input[0]
+        zero = fresh(f"{first}_batch_axis")
+        shape, trips = fresh(f"{first}_shape"), fresh(f"{node.name or 'Scan'}_batch")
+        nodes += [helper.make_node("Constant", [], [zero], value=numpy_helper.from_array(np.array(0, np.int64))),
+                  helper.make_node("Shape", [first], [shape]),
+                  helper.make_node("Gather", [shape, zero], [trips], axis=0)]
+        i, cond, cond_out = fresh("batch_index"), fresh("batch_cond"), fresh("batch_cond_out")
+        body = [helper.make_node("Identity", [cond], [cond_out])]
+        one = []
+        for x in node.input:
+            one.append(fresh(f"{x}_one"))
+            body.append(helper.make_node("Gather", [x, i], [one[-1]], axis=0))
+        outs = [fresh(f"{y}_one") for y in node.output]
+        scan = helper.make_node("Scan", one, outs, name=node.name)
+        scan.attribute.extend(node.attribute)
+        body.append(scan)
+        graph = helper.make_graph(
+            body, fresh(f"{node.name or 'Scan'}_per_batch_element"),
+            [helper.make_tensor_value_info(i, onnx.TensorProto.INT64, []),
+             helper.make_tensor_value_info(cond, onnx.TensorProto.BOOL, [])],
+            [helper.make_tensor_value_info(cond_out, onnx.TensorProto.BOOL, [])]
+            + [helper.make_empty_tensor_value_info(y) for y in outs])
+        nodes.append(helper.make_node("Loop", [trips, ""], list(node.output),
+                                      name=fresh(f"{node.name or 'Scan'}_over_batch"), body=graph))
+    del g.node[:]
+    g.node.extend(nodes)
+    types = {vi.name: vi.type for vi in list(original.graph.input) + list(original.graph.output)
+             + list(original.graph.value_info)}
+    kept = [vi for vi in g.value_info if vi.name in types]        # the converter's own, unbatched, go
+    del g.value_info[:]
+    g.value_info.extend(kept)
+    for vi in list(g.input) + list(g.output) + list(g.value_info):
+        if vi.name in types:
+            vi.type.CopyFrom(types[vi.name])
+    return model
+
+
 _SKELETON_THRESHOLD = 1 << 20
 
 
