@@ -281,26 +281,6 @@ class DynamicQuantizeLinear(OpRun):
         return y.astype(np.uint8), np.array(scale, x.dtype), np.array(zero_point, np.uint8)
 
 
-class MaxUnpool(OpRun):
-    """onnx.reference ignores output_shape when it scatters (it fills the default shape) (onnx 1.23)."""
-
-    op_domain = ""
-
-    def _run(self, x, indices, output_shape=None, kernel_shape=None, pads=None, strides=None):
-        spatial = x.ndim - 2
-        pads = list(pads) if pads else [0] * (2 * spatial)
-        strides = list(strides) if strides else [1] * spatial
-        if output_shape is not None:
-            shape = [int(v) for v in output_shape]
-        else:
-            shape = list(x.shape[:2]) + [
-                (x.shape[2 + i] - 1) * strides[i] + kernel_shape[i] - pads[i] - pads[spatial + i]
-                for i in range(spatial)]
-        y = np.zeros(int(np.prod(shape)), x.dtype)
-        y[indices.reshape(-1)] = x.reshape(-1)
-        return (y.reshape(shape),)
-
-
 class Resize(op_resize.Resize):
     """Under align_corners with scales, onnx.reference maps output i to i * (in - 1) / (scale * in - 1), the
     unrounded output length (onnx 1.23); onnxruntime and PyTorch (interpolate's align_corners, which the rule
@@ -321,6 +301,26 @@ class Resize(op_resize.Resize):
             scales = None
         return super()._run(X, roi, scales, sizes, antialias, axes, coordinate_transformation_mode, cubic_coeff_a,
                             exclude_outside, extrapolation_value, keep_aspect_ratio_policy, mode, nearest_mode)
+
+
+class MaxUnpool(OpRun):
+    """onnx.reference ignores output_shape when it scatters (it fills the default shape) (onnx 1.23)."""
+
+    op_domain = ""
+
+    def _run(self, x, indices, output_shape=None, kernel_shape=None, pads=None, strides=None):
+        spatial = x.ndim - 2
+        pads = list(pads) if pads else [0] * (2 * spatial)
+        strides = list(strides) if strides else [1] * spatial
+        if output_shape is not None:
+            shape = [int(v) for v in output_shape]
+        else:
+            shape = list(x.shape[:2]) + [
+                (x.shape[2 + i] - 1) * strides[i] + kernel_shape[i] - pads[i] - pads[spatial + i]
+                for i in range(spatial)]
+        y = np.zeros(int(np.prod(shape)), x.dtype)
+        y[indices.reshape(-1)] = x.reshape(-1)
+        return (y.reshape(shape),)
 
 
 class MeanVarianceNormalization(OpRun):
