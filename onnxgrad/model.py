@@ -475,8 +475,8 @@ _RANDOM = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "Rando
                      "Multinomial", "Dropout"})
 
 
-def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = ()) -> tuple[onnx.ModelProto | None,
-                                                                                dict[str, np.ndarray]]:
+def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = (), inferred: onnx.ModelProto | None = None
+                 ) -> tuple[onnx.ModelProto | None, dict[str, np.ndarray]]:
     """For a model with an If: a copy in which integer and boolean computations on constants are folded
     into initializers and each If whose condition they decide is replaced by its taken branch (repeatedly:
     a branch may decide the next If), and the values folded for the model's own tensors. The copy
@@ -505,7 +505,7 @@ def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = ()) -> tuple[o
         elif init.name not in inputs:
             cg.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     taken = {i.name for i in cg.input} | defined_names(g)
-    shapes = _static_shapes(cg, model)
+    shapes = _static_shapes(cg, model, inferred)
     opset = opset_of(model)
     pending = list(reversed(g.node))    # a stack: the next node last
     kept, decided = [], 0
@@ -544,22 +544,25 @@ def _integral(dtype: int) -> bool:
                      onnx.TensorProto.UINT32, onnx.TensorProto.UINT64)
 
 
-def _static_shapes(g: onnx.GraphProto, model: onnx.ModelProto) -> dict[str, tuple[int, ...]]:
+def _static_shapes(g: onnx.GraphProto, model: onnx.ModelProto,
+                   inferred: onnx.ModelProto | None = None) -> dict[str, tuple[int, ...]]:
     """The shapes the graph's inputs and initializers are declared with, where every dim is a number: a
     value fed there has that shape, whatever its values (an initializer that is also an input, a default
     the caller may override, has the input's declared shape); where a Shape or Size reads another tensor,
     also the static shapes onnx's inference gives the model's tensors (AffineGrid's size = Shape(x) of an
-    image of any batch is an int64[4])."""
+    image of any batch is an int64[4]), from ``inferred`` where the caller has inferred the model already."""
     shapes = {t.name: tuple(t.dims) for t in g.initializer}
     for vi in g.input:
         shapes.pop(vi.name, None)
         if (dims := _static_dims(vi.type)) is not None:
             shapes[vi.name] = dims
-    if any(n.op_type in ("Shape", "Size") and n.input[0] not in shapes for n in model.graph.node):
+    measured = any(n.op_type in ("Shape", "Size") and n.input[0] not in shapes for n in model.graph.node)
+    if inferred is None and measured:
         try:
             inferred = shape_inference.infer_shapes(skeleton(model), check_type=False, strict_mode=False)
         except Exception:
             return shapes
+    if inferred is not None and measured:
         for vi in inferred.graph.value_info:
             if vi.name not in shapes and (dims := _static_dims(vi.type)) is not None:
                 shapes[vi.name] = dims
@@ -671,7 +674,7 @@ def _specialized_shapes(model: onnx.ModelProto, inferred: onnx.ModelProto) -> di
     its taken branch; the model itself is not changed. The symbols that inference of the copy makes up
     for unknown dims ('unk__3') are dropped: the model's own inference makes up the same names for other
     dims, and onnxruntime takes two dims of one name for equal."""
-    copy, _ = _specialized(model)
+    copy, _ = _specialized(model, inferred=inferred)
     if copy is None:
         return {}
     try:
