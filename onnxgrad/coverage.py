@@ -37,6 +37,17 @@ NO_RULE_WHY = {
 }
 _BEYOND = "N+"   # tagged NonDifferentiable, differentiated as PyTorch does (the rule's beyond_tags)
 
+# Ops that onnx.reference and onnxruntime compute differently somewhere: the reading the rule follows (PyTorch's,
+# the reference for semantics), printed by ``ops``; the numeric checks' float64 truth follows it too
+# (onnxgrad.check.kernels corrects onnx.reference's kernel).
+READINGS = {
+    "MaxUnpool": "with output_shape, I indexes the output_shape tensor, as onnxruntime and PyTorch's max_unpool "
+                 "(output_size) read it; onnx.reference reads I in the default shape and pastes that block at "
+                 "the origin",
+    "Resize": "align_corners with scales maps the corners of the floor(scale * in) outputs made, as onnxruntime "
+              "and PyTorch's interpolate do; onnx.reference divides by the unrounded scale * in - 1",
+}
+
 
 @dataclass
 class OpCoverage:
@@ -206,6 +217,8 @@ def print_table(run_cases: bool = False) -> int:
         line = f"{r.op_type:<{width}}  {r.status:<18}  {opsets:<14}  {cases:>7}  {r.tags}"
         for f in r.flags:
             line += f"  [!] {f}"
+        if r.status == "rule" and r.op_type in READINGS:
+            line += f"  (reads: {READINGS[r.op_type]})"
         if r.status in ("missing", "not differentiable", "deprecated") and r.op_type in NO_RULE_WHY:
             line += f"  ({NO_RULE_WHY[r.op_type]})"
         print(line)

@@ -12,7 +12,7 @@ import onnx.inliner
 import onnx.version_converter
 from onnx import helper, numpy_helper, shape_inference
 
-from .builder import FLOAT_TYPES, TensorInfo
+from .builder import FLOAT_TYPES, NameScope, TensorInfo
 from .errors import InvalidModelError
 from .files import is_held, nbytes, stripped
 
@@ -113,7 +113,7 @@ def load(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
     if version < MIN_OPSET:
         print(f"onnxgrad: upgrading the model from ai.onnx opset {version} to {MIN_OPSET}", file=sys.stderr)
         try:
-            model = onnx.version_converter.convert_version(model, MIN_OPSET)
+            model = _scan8_batch_kept(model, onnx.version_converter.convert_version(model, MIN_OPSET))
         except Exception as e:
             raise InvalidModelError(
                 f"the model uses ai.onnx opset {version}, and onnx's version converter cannot upgrade it to "
@@ -182,6 +182,60 @@ def _pads_on_every_axis(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 # initializers at least this large are left out of a skeleton (data_prop reads only small ones)
+def _scan8_batch_kept(original: onnx.ModelProto, model: onnx.ModelProto) -> onnx.ModelProto:
+    """Scan-8 runs its body once per element of a leading batch axis of every input and output; onnx's
+    converter makes it a Scan-9, which has none, and strips that axis from the declared shapes: the upgraded
+    model would take other inputs than the model (test_scan_sum: initial [1, 2] became [2]). Each such Scan
+    becomes a Loop over the batch, its body the Scan-9 on one element (Gather), its outputs the Loop's scan
+    outputs (stacked on axis 0 again); the declared types are the model's own. Returns ``model``, the
+    converted ``original``, changed in place."""
+    g = model.graph
+    scans = [n for n in g.node if n.op_type == "Scan" and n.domain in ("", "ai.onnx")]
+    if opset_of(original) >= 9 or not scans:
+        return model
+    fresh = NameScope(defined_names(g)).fresh
+    nodes = []
+    for node in g.node:
+        if node not in scans:
+            nodes.append(node)
+            continue
+        first = node.input[0]
+        zero = fresh(f"{first}_batch_axis")
+        shape, trips = fresh(f"{first}_shape"), fresh(f"{node.name or 'Scan'}_batch")
+        nodes += [helper.make_node("Constant", [], [zero], value=numpy_helper.from_array(np.array(0, np.int64))),
+                  helper.make_node("Shape", [first], [shape]),
+                  helper.make_node("Gather", [shape, zero], [trips], axis=0)]
+        i, cond, cond_out = fresh("batch_index"), fresh("batch_cond"), fresh("batch_cond_out")
+        body = [helper.make_node("Identity", [cond], [cond_out])]
+        one = []
+        for x in node.input:
+            one.append(fresh(f"{x}_one"))
+            body.append(helper.make_node("Gather", [x, i], [one[-1]], axis=0))
+        outs = [fresh(f"{y}_one") for y in node.output]
+        scan = helper.make_node("Scan", one, outs, name=node.name)
+        scan.attribute.extend(node.attribute)
+        body.append(scan)
+        graph = helper.make_graph(
+            body, fresh(f"{node.name or 'Scan'}_per_batch_element"),
+            [helper.make_tensor_value_info(i, onnx.TensorProto.INT64, []),
+             helper.make_tensor_value_info(cond, onnx.TensorProto.BOOL, [])],
+            [helper.make_tensor_value_info(cond_out, onnx.TensorProto.BOOL, [])]
+            + [helper.make_empty_tensor_value_info(y) for y in outs])
+        nodes.append(helper.make_node("Loop", [trips, ""], list(node.output),
+                                      name=fresh(f"{node.name or 'Scan'}_over_batch"), body=graph))
+    del g.node[:]
+    g.node.extend(nodes)
+    types = {vi.name: vi.type for vi in list(original.graph.input) + list(original.graph.output)
+             + list(original.graph.value_info)}
+    kept = [vi for vi in g.value_info if vi.name in types]        # the converter's own, unbatched, go
+    del g.value_info[:]
+    g.value_info.extend(kept)
+    for vi in list(g.input) + list(g.output) + list(g.value_info):
+        if vi.name in types:
+            vi.type.CopyFrom(types[vi.name])
+    return model
+
+
 _SKELETON_THRESHOLD = 1 << 20
 
 
@@ -361,7 +415,8 @@ def _recover_ranks(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Types with a shape for tensors onnx's inference left without one, from what their readers imply:
     a shape-preserving op gives its input its output's shape; a broadcasting op gives an input of
     unknown rank its output's rank when every other input is of lower rank; MatMul gives an operand
-    the rank its output and the other operand imply. Dims not implied are left unknown."""
+    the rank its output and the other operand imply; a Transpose's perm gives its input's rank. Dims not
+    implied are left unknown."""
     g = model.graph
     values = list(g.input) + list(g.value_info) + list(g.output)
     shaped = {vi.name for vi in values if vi.type.tensor_type.HasField("shape")}
@@ -399,6 +454,9 @@ def _recover_ranks(model: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     for node in reversed(list(g.node)):
         if node.domain not in ("", "ai.onnx") or not node.output or not node.input:
             continue
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        if node.op_type == "Transpose" and perm:
+            give(node.input[0], None, len(perm))        # perm names every axis of the input
         out = node.output[0]
         r_out = rank(out)
         if r_out is None:
@@ -435,8 +493,8 @@ _RANDOM = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "Rando
                      "Multinomial", "Dropout"})
 
 
-def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = ()) -> tuple[onnx.ModelProto | None,
-                                                                                dict[str, np.ndarray]]:
+def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = (), inferred: onnx.ModelProto | None = None
+                 ) -> tuple[onnx.ModelProto | None, dict[str, np.ndarray]]:
     """For a model with an If: a copy in which integer and boolean computations on constants are folded
     into initializers and each If whose condition they decide is replaced by its taken branch (repeatedly:
     a branch may decide the next If), and the values folded for the model's own tensors. The copy
@@ -465,6 +523,7 @@ def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = ()) -> tuple[o
         elif init.name not in inputs:
             cg.input.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
     taken = {i.name for i in cg.input} | defined_names(g)
+    shapes = _static_shapes(cg, model, inferred)
     opset = opset_of(model)
     pending = list(reversed(g.node))    # a stack: the next node last
     kept, decided = [], 0
@@ -476,7 +535,7 @@ def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = ()) -> tuple[o
             pending.extend(reversed(_inlined(branch, node.output, taken)))
             decided += 1
             continue
-        folded = _folded(node, values, opset)
+        folded = _folded(node, values, opset) or _shape_folded(node, shapes)
         if folded is None:
             kept.append(node)
             continue
@@ -501,6 +560,52 @@ def _integral(dtype: int) -> bool:
     return dtype in (onnx.TensorProto.BOOL, onnx.TensorProto.INT8, onnx.TensorProto.INT16, onnx.TensorProto.INT32,
                      onnx.TensorProto.INT64, onnx.TensorProto.UINT8, onnx.TensorProto.UINT16,
                      onnx.TensorProto.UINT32, onnx.TensorProto.UINT64)
+
+
+def _static_shapes(g: onnx.GraphProto, model: onnx.ModelProto,
+                   inferred: onnx.ModelProto | None = None) -> dict[str, tuple[int, ...]]:
+    """The shapes the graph's inputs and initializers are declared with, where every dim is a number: a
+    value fed there has that shape, whatever its values (an initializer that is also an input, a default
+    the caller may override, has the input's declared shape); where a Shape or Size reads another tensor,
+    also the static shapes onnx's inference gives the model's tensors (AffineGrid's size = Shape(x) of an
+    image of any batch is an int64[4]), from ``inferred`` where the caller has inferred the model already."""
+    shapes = {t.name: tuple(t.dims) for t in g.initializer}
+    for vi in g.input:
+        shapes.pop(vi.name, None)
+        if (dims := _static_dims(vi.type)) is not None:
+            shapes[vi.name] = dims
+    measured = any(n.op_type in ("Shape", "Size") and n.input[0] not in shapes for n in model.graph.node)
+    if inferred is None and measured:
+        try:
+            inferred = shape_inference.infer_shapes(skeleton(model), check_type=False, strict_mode=False)
+        except Exception:
+            return shapes
+    if inferred is not None and measured:
+        for vi in inferred.graph.value_info:
+            if vi.name not in shapes and (dims := _static_dims(vi.type)) is not None:
+                shapes[vi.name] = dims
+    return shapes
+
+
+def _static_dims(tp: onnx.TypeProto) -> tuple[int, ...] | None:
+    """A tensor type's dims where every one is a number, else None."""
+    shape = _shape_of(tp)
+    if shape is None or not all(d.HasField("dim_value") for d in shape.dim):
+        return None
+    return tuple(d.dim_value for d in shape.dim)
+
+
+def _shape_folded(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> dict[str, np.ndarray] | None:
+    """Shape(x) and Size(x) of a tensor of static declared shape (AffineGrid's body decides its 2-D or 3-D
+    branch by Size(size), size an int64[4] graph input): known at build time without x's values."""
+    if node.domain not in ("", "ai.onnx") or node.op_type not in ("Shape", "Size") or node.input[0] not in shapes:
+        return None
+    shape = shapes[node.input[0]]
+    if node.op_type == "Size":
+        return {node.output[0]: np.array(int(np.prod(shape)), np.int64)}
+    attrs = {a.name: a.i for a in node.attribute}
+    start, end = attrs.get("start", 0), attrs.get("end", len(shape))
+    return {node.output[0]: np.array(shape[slice(start, end)], np.int64)}
 
 
 def _folded(node: onnx.NodeProto, values: dict[str, np.ndarray], opset: int) -> dict[str, np.ndarray] | None:
@@ -584,8 +689,10 @@ def _rename_reads(g: onnx.GraphProto, env: dict[str, str]) -> None:
 def _specialized_shapes(model: onnx.ModelProto, inferred: onnx.ModelProto) -> dict[str, onnx.TypeProto]:
     """Types with a shape (or more known dims) for the tensors of ``model`` that onnx's inference of it
     left without, found by inferring :func:`_specialized`'s copy, where each If decided at build time is
-    its taken branch; the model itself is not changed."""
-    copy, _ = _specialized(model)
+    its taken branch; the model itself is not changed. The symbols that inference of the copy makes up
+    for unknown dims ('unk__3') are dropped: the model's own inference makes up the same names for other
+    dims, and onnxruntime takes two dims of one name for equal."""
+    copy, _ = _specialized(model, inferred=inferred)
     if copy is None:
         return {}
     try:
@@ -595,13 +702,20 @@ def _specialized_shapes(model: onnx.ModelProto, inferred: onnx.ModelProto) -> di
     types = tensor_infos(found)[1]
     g = inferred.graph
     have = {vi.name: vi.type for vi in list(g.value_info) + list(g.output)}
+    declared = {d.dim_param for vi in list(model.graph.input) + list(model.graph.output)
+                if (s := _shape_of(vi.type)) is not None for d in s.dim if d.dim_param}
     out = {}
     for node in model.graph.node:
         for name in node.output:
             new, old = _shape_of(types.get(name)), _shape_of(have.get(name))
             if new is None or (old is not None and (len(old.dim) != len(new.dim) or _known(old) >= _known(new))):
                 continue
-            out[name] = types[name]
+            tp = onnx.TypeProto()
+            tp.CopyFrom(types[name])
+            for d in tp.tensor_type.shape.dim:
+                if d.dim_param and d.dim_param not in declared:
+                    d.ClearField("dim_param")
+            out[name] = tp
     return out
 
 

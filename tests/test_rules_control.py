@@ -145,6 +145,34 @@ m (float[2,3] x, float[3,4] w, float[3] v) => (float[{y}] y) {{
 IF_CONSTANT_2D = IF_CONSTANT.format(y="A,B", n=2, size="2, 3")        # then: t is [2,3]
 IF_CONSTANT_3D = IF_CONSTANT.format(y="A,B,C", n=3, size="1, 2, 3")   # else: t is [1,2,3]
 
+# AffineGrid's function body with its size a graph input (int64[4], values fed at run time): the If is decided
+# by Size(size), which the declared shape gives at build time; its branches' ranks differ (the else branch
+# never runs), so only the taken branch tells t's rank; the then-branch expands to the run-time size.
+IF_SIZE_INPUT = """
+m (int64[2] size, float[2,3] x, float[3,4] w, float[3] v) => (float[A,B] y) {
+    n = Size (size)
+    two = Constant <value = int64 {2}> ()
+    is2d = Equal (n, two)
+    t = If (is2d) <
+      then_branch = g1 () => (a) { s = Sin (x)  sv = Mul (s, v)  a = Expand (sv, size) },
+      else_branch = g2 () => (b) { zero = Constant <value = int64[1] {0}> ()  p = Mul (x, v)  b = Unsqueeze (p, zero) }>
+    y = MatMul (t, w)
+}"""
+
+# The same decided by the rank of an input of any batch: Size(Shape(x)) is 2, which inference tells (an
+# exporter's AffineGrid size is Shape of the image, whose batch is dynamic).
+IF_RANK_OF_INPUT = """
+m (float[N,3] x, float[3,4] w, float[3] v) => (float[N,4] y) {
+    s = Shape (x)
+    n = Size (s)
+    two = Constant <value = int64 {2}> ()
+    is2d = Equal (n, two)
+    t = If (is2d) <
+      then_branch = g1 () => (a) { e = Sin (x)  a = Mul (e, v) },
+      else_branch = g2 () => (b) { zero = Constant <value = int64[1] {0}> ()  p = Mul (x, v)  b = Unsqueeze (p, zero) }>
+    y = MatMul (t, w)
+}"""
+
 
 def _constant_if_feeds():
     return {"x": _f(2, 3), "w": _f(3, 4), "v": _f(3)}
@@ -171,6 +199,9 @@ CASES = {
     "loop_nested_if": (LOOP_NESTED_IF, lambda: {"h0": _f(3), "w": _f(3), "v": _f(3)}),
     "if_constant_then": (IF_CONSTANT_2D, _constant_if_feeds),
     "if_constant_else": (IF_CONSTANT_3D, _constant_if_feeds),
+    "if_decided_by_input_size": (IF_SIZE_INPUT, lambda: {"size": np.array([2, 3], np.int64),
+                                                         **_constant_if_feeds()}),
+    "if_decided_by_input_rank": (IF_RANK_OF_INPUT, _constant_if_feeds),
 }
 
 
@@ -211,6 +242,46 @@ def test_second_order(name):
     onnx.checker.check_model(ggm, full_check=True)
     r = check(gm, ggm, feeds, max_elements=24, analytic_run=run_float64)
     assert r.ok(1e-5), f"{name}: second-order errors {r.errors}"
+
+
+# Scan-8 (opset 8) scans every input and output along a leading batch axis; Scan-9 has none. (xi and hs are
+# tensors inside the graph: the converter declares them unbatched in value_info.)
+SCAN8_BATCH = """
+m (float[2,3] h0, float[2,4,3] xs, float[3,3] W) => (float[2,3] h, float[2,4,3] ys) {
+    xi = Identity (xs)
+    hs, ys = Scan ("", h0, xi) <num_scan_inputs = 1, directions = [1],
+      body = step (float[3] hp, float[3] x) => (float[3] hn, float[3] y) {
+        r = MatMul (hp, W)
+        a = Add (r, x)
+        hn = Tanh (a)
+        y = Mul (hn, x)
+    }>
+    h = Identity (hs)
+}"""
+
+
+def test_scan8_keeps_its_batch_axis():
+    """An opset-8 Scan keeps its interface through the upgrade (onnx's converter strips the batch axis from the
+    declared shapes: test_scan_sum's gradient model took a seed of another rank than the model's output): the
+    forward is onnxruntime's Scan-8, and the gradients hold in float32 and float64."""
+    import onnxruntime as ort
+
+    model = _model(SCAN8_BATCH, 8)
+    feeds = {"h0": _f(2, 3), "xs": _f(2, 4, 3), "W": _f(3, 3)}
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    expected = dict(zip(["h", "ys"], session.run(None, feeds)))
+    loaded = onnxgrad.model.load(model)
+    assert [d.dim_value for d in loaded.graph.input[0].type.tensor_type.shape.dim] == [2, 3]
+    got = Runner(loaded)(feeds)
+    for name, value in expected.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-6, atol=1e-6)
+    gm = onnxgrad.grad(model, wrt=["h0", "xs", "W"], of=["h", "ys"])
+    onnx.checker.check_model(gm, full_check=True)
+    seeds = {s: np.ones_like(expected[o]) for o, s in gradient_spec(gm)["seeds"].items()}
+    Runner(gm, runtime="onnxruntime")({**feeds, **seeds})         # the seeds have the outputs' shapes
+    assert check(model, gm, feeds, max_elements=48).ok(2e-3)
+    r64 = check(model, gm, feeds, max_elements=48, analytic_run=run_float64)
+    assert r64.ok(1e-6), r64.errors
 
 
 def test_iterations_stored_not_intermediates():
@@ -279,13 +350,17 @@ def test_constant_if_is_its_taken_branch(text, rank, zero):
 
 def test_constant_if_condition_values():
     """The condition is folded from constants (through the first If's taken branch); a graph input, even one
-    with an initializer (a default the caller may override), is never taken as a constant."""
+    with an initializer (a default the caller may override), is never taken as a constant: only its declared
+    shape is (its Size, when every dim is a number)."""
     model = _model(IF_CONSTANT_2D, 13)
     values = onnxgrad.model.constant_values(model)
     assert values["k"] == 1 and values["first"] and list(values["shape"]) == [1, 2, 3]
     size = next(n for n in model.graph.node if n.output[0] == "size")
     model.graph.node.remove(size)
     model.graph.initializer.append(onnx.numpy_helper.from_array(np.array([2, 3], np.int64), "size"))
-    model.graph.input.append(onnx.helper.make_tensor_value_info("size", onnx.TensorProto.INT64, [2]))
-    values = onnxgrad.model.constant_values(model)
-    assert not {"n", "is2d", "k", "first", "shape"} & set(values)
+    for dims, folded in (([2], {"n", "is2d", "k", "first"}), (["K"], set())):
+        del model.graph.input[:]
+        model.graph.input.extend(_model(IF_CONSTANT_2D, 13).graph.input)
+        model.graph.input.append(onnx.helper.make_tensor_value_info("size", onnx.TensorProto.INT64, dims))
+        values = onnxgrad.model.constant_values(model)
+        assert {"n", "is2d", "k", "first", "shape"} & set(values) == folded, dims

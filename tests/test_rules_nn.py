@@ -17,7 +17,7 @@ import pytest
 import onnxgrad
 from harness import Case, case_model, distinct, randn, run_case
 from onnxgrad import registry
-from onnxgrad.check import Runner, check, to_float64
+from onnxgrad.check import Runner, check, gradient_spec, to_float64
 from onnxgrad.errors import UnsupportedOpError
 from onnxgrad.rules import nn
 
@@ -437,3 +437,31 @@ def test_second_order(case):
     onnx.checker.check_model(second, full_check=True)
     result = check(first, second, feeds, max_elements=40)
     assert result.ok(2e-3), result.errors
+
+
+def test_max_unpool_output_shape_matches_torch():
+    """With output_shape, the rule reads the indices as PyTorch's max_unpool2d(output_size=) does (the reading
+    ``ops`` names): its forward in onnxruntime and its gradient equal PyTorch's."""
+    torch = pytest.importorskip("torch")
+    x, image = randn(1, 2, 2, 2), distinct(1, 2, 5, 5)
+    indices = _indices(image, kernel_shape=[2, 2], strides=[2, 2])
+    case = Case("MaxUnpool", [x, indices, np.array([1, 2, 5, 5])], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]))
+    model, feeds, wrt = case_model(case)
+    gm = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    seed = randn(1, 2, 5, 5)
+    got = Runner(gm)({**feeds, "y0_grad": seed})
+    tx = torch.tensor(x, requires_grad=True)
+    plane = (np.arange(2) * 25).reshape(1, 2, 1, 1)           # ONNX indexes the whole tensor, torch each plane
+    ty = torch.nn.functional.max_unpool2d(tx, torch.tensor(indices - plane), kernel_size=2, stride=2,
+                                          output_size=(5, 5))
+    ty.backward(torch.tensor(seed))
+    np.testing.assert_allclose(got["y0"], ty.detach().numpy(), rtol=1e-6)
+    np.testing.assert_allclose(got[gradient_spec(gm)["gradients"][wrt[0]]], tx.grad.numpy(), rtol=1e-6)
+
+
+def test_ops_names_the_max_unpool_reading(capsys):
+    from onnxgrad.coverage import print_table
+
+    print_table()
+    line = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("MaxUnpool "))
+    assert "output_shape" in line and "PyTorch" in line and "onnx.reference" in line

@@ -112,6 +112,30 @@ RESIZE = [
     resize([randn(1, 2, 5, 3), None, None, i64(6, 2)],
            {"mode": "cubic", "axes": [2, 3], "keep_aspect_ratio_policy": "not_smaller",
             "coordinate_transformation_mode": "asymmetric"}, opset=18, id="keep-ratio-round-up-cubic"),
+    # keep_aspect_ratio_policy with sizes fed at run time (or X's dims unknown): the common scale computed in the
+    # graph (onnx's test_resize_*_sizes_nearest_not_larger/not_smaller with their sizes a graph input)
+    resize([randn(1, 1, 2, 2), None, None, i64(7, 8)],
+           {"mode": "nearest", "axes": [2, 3], "keep_aspect_ratio_policy": "not_larger"}, opset=18, dynamic=[3],
+           id="keep-ratio-runtime-sizes-nearest-up"),
+    resize([randn(1, 1, 2, 4), None, None, i64(1, 3)],
+           {"mode": "nearest", "axes": [2, 3], "keep_aspect_ratio_policy": "not_smaller"}, opset=18, dynamic=[3],
+           id="keep-ratio-runtime-sizes-round-up-nearest-down"),
+    resize([X4, None, None, i64(5, 6)], {"mode": "linear", "axes": [2, 3], "keep_aspect_ratio_policy": "not_larger"},
+           opset=18, dynamic=[3], id="keep-ratio-runtime-sizes-round-up-linear"),
+    resize([randn(1, 1, 4, 5), None, None, i64(5, 9)],   # scale 1.25: 6.25 columns -> 6
+           {"mode": "cubic", "axes": [2, 3], "keep_aspect_ratio_policy": "not_larger"}, opset=19, dynamic=[3],
+           id="keep-ratio-runtime-sizes-fractional-cubic"),
+    resize([randn(1, 2, 2, 4), None, None, i64(5, 6)],
+           {"mode": "linear", "axes": [2, 3], "keep_aspect_ratio_policy": "not_smaller"}, opset=18,
+           unknown_shapes=True, id="keep-ratio-unknown-shapes"),
+    # align_corners by scales: the corners of the floor(scale * in) outputs onnxruntime and PyTorch make (onnx's
+    # test_resize_downsample_scales_*_align_corners; onnx.reference's kernel is corrected, see check/kernels.py)
+    resize([randn(1, 1, 2, 4), None, f32(1, 1, 0.6, 0.6)],
+           {"mode": "linear", "coordinate_transformation_mode": "align_corners"}, opset=13,
+           id="bilinear-align-corners-down-scales"),
+    resize([randn(1, 1, 4, 4), None, f32(1, 1, 0.8, 0.8)],
+           {"mode": "cubic", "coordinate_transformation_mode": "align_corners"}, opset=13,
+           id="cubic-align-corners-down-scales"),
     # nearest upsampling by integer factors: block sums (and one that is not: s=3, rounding)
     resize([X4, None, f32(1, 1, 3, 2)],
            {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "nearest_mode": "floor"},
@@ -481,6 +505,10 @@ def test_resize_negative_axes():
     (resize([X4, None, None, i64(5, 6)], {"mode": "linear", "axes": [2, 3], "keep_aspect_ratio_policy": "not_larger",
                                           "coordinate_transformation_mode": "align_corners"},
             opset=18, id="keep-ratio-round-up-align-corners"), "keep_aspect_ratio_policy"),
+    (resize([X4, None, None, i64(5, 6)], {"mode": "linear", "axes": [2, 3], "keep_aspect_ratio_policy": "not_larger",
+                                          "coordinate_transformation_mode": "half_pixel_symmetric"},
+            opset=18, dynamic=[3], id="keep-ratio-runtime-sizes-half-pixel-symmetric"),
+     "keep_aspect_ratio_policy and sizes or input dims known only at run time"),
     (sample("RoiAlign", [randn(1, 1, 4, 4), _rois(), i64(0, 0, 0)], {"mode": "max"}, opset=13, id="roi-max-13"),
      "mode='max' below opset 16"),
 ], ids=lambda v: getattr(v, "id", ""))
@@ -488,3 +516,20 @@ def test_unsupported(case, reason):
     model, _, wrt = harness.case_model(case)
     with pytest.raises(UnsupportedOpError, match=reason):
         onnxgrad.grad(model, wrt=wrt, of=["y0"])
+
+
+def test_align_corners_scales_truth_follows_onnxruntime():
+    """Under align_corners with scales, the float64 truth (onnx.reference with the corrected kernel) maps the
+    corners of the floor(scale * in) outputs onto the input's corners, as onnxruntime and PyTorch do: x [2, 4]
+    scaled by 0.6 gives [1, 2] outputs, x[0, 0] and x[0, 3] (onnx.reference alone reads 3.14 for the second)."""
+    for x, scale, mode in ((np.arange(1.0, 9.0, dtype=np.float32).reshape(1, 1, 2, 4), 0.6, "linear"),
+                           (randn(1, 1, 4, 4), 0.8, "cubic")):
+        case = resize([x, None, f32(1, 1, scale, scale)],
+                      {"mode": mode, "coordinate_transformation_mode": "align_corners"}, opset=13)
+        model, feeds, _ = harness.case_model(case)
+        runtime = Runner(model)(feeds)["y0"]
+        truth = Runner(to_float64(model), runtime="reference", reason="the corrected Resize kernel under test")(
+            {k: v.astype(np.float64) for k, v in feeds.items()})["y0"]
+        np.testing.assert_allclose(truth, runtime, rtol=1e-5, atol=1e-5, err_msg=mode)
+        if mode == "linear":
+            np.testing.assert_allclose(truth.ravel(), [x[0, 0, 0, 0], x[0, 0, 0, 3]])

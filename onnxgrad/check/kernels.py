@@ -14,7 +14,7 @@ import math
 import numpy as np
 from onnx import helper
 from onnx.reference.op_run import OpRun
-from onnx.reference.ops import op_batch_normalization, op_conv_transpose, op_loop
+from onnx.reference.ops import op_batch_normalization, op_conv_transpose, op_loop, op_resize
 from onnx.reference.ops.op_causal_conv_with_state import CausalConvWithState as _RefCausalConv
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -281,6 +281,28 @@ class DynamicQuantizeLinear(OpRun):
         return y.astype(np.uint8), np.array(scale, x.dtype), np.array(zero_point, np.uint8)
 
 
+class Resize(op_resize.Resize):
+    """Under align_corners with scales, onnx.reference maps output i to i * (in - 1) / (scale * in - 1), the
+    unrounded output length (onnx 1.23); onnxruntime and PyTorch (interpolate's align_corners, which the rule
+    follows) map the corners of the output they make, floor(scale * in) long, onto the input's corners
+    (test_resize_downsample_scales_linear_align_corners: [1, 4], not [1, 3.14]). Given as those sizes."""
+
+    op_domain = ""
+
+    def _run(self, X, roi, scales=None, sizes=None, antialias=None, axes=None, coordinate_transformation_mode=None,
+             cubic_coeff_a=None, exclude_outside=None, extrapolation_value=None, keep_aspect_ratio_policy=None,
+             mode=None, nearest_mode=None):
+        if (coordinate_transformation_mode == "align_corners" and not antialias and scales is not None
+                and np.size(scales) and (sizes is None or not np.size(sizes))):
+            resized = list(axes) if axes is not None else list(range(X.ndim))
+            # float32, as onnxruntime computes the output length
+            sizes = np.array([int(np.float32(s) * np.float32(X.shape[a])) for a, s in zip(resized, scales)],
+                             np.int64)
+            scales = None
+        return super()._run(X, roi, scales, sizes, antialias, axes, coordinate_transformation_mode, cubic_coeff_a,
+                            exclude_outside, extrapolation_value, keep_aspect_ratio_policy, mode, nearest_mode)
+
+
 class MaxUnpool(OpRun):
     """onnx.reference ignores output_shape when it scatters (it fills the default shape) (onnx 1.23)."""
 
@@ -404,5 +426,5 @@ class Loop(op_loop.Loop):
 
 
 KERNELS = [Loop, BatchNormalization, DynamicQuantizeLinear, GatherElements, LayerNormalization, MaxUnpool,
-           MeanVarianceNormalization, Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool, CausalConvWithState,
-           LinearAttention, *_RECURRENT]
+           MeanVarianceNormalization, Resize, Erf, Gelu, ConvTranspose, LRN, GlobalLpPool, MaxRoiPool,
+           CausalConvWithState, LinearAttention, *_RECURRENT]

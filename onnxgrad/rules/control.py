@@ -135,10 +135,12 @@ class _VJP:
 
 
 def _body_vjp(n: Node, body: onnx.GraphProto, input_infos: list[TensorInfo], wrt: list[str],
-              of: list[int], states: list[tuple[int, int]] = ()) -> _VJP:
+              of: list[int], states: list[tuple[int, int]] = (), output_infos: list[TensorInfo] = ()) -> _VJP:
     """The VJP of ``body`` with respect to ``wrt`` (its inputs or outer tensors) seeded at its outputs at
-    positions ``of``. ``input_infos`` types the body's inputs where the body does not; ``states``: pairs
-    (input, output) of loop-carried values, whose static shapes are trusted only if the body keeps them."""
+    positions ``of``. ``input_infos`` types the body's inputs where the body does not, ``output_infos`` its
+    outputs where neither the body nor inference does (an If's branch outputs: the If's outputs, whose
+    ranks the outer model's readers may tell); ``states``: pairs (input, output) of loop-carried values,
+    whose static shapes are trusted only if the body keeps them."""
     from ..autodiff import grad
 
     outer = sorted(M.subgraph_inputs(_holder(body)))
@@ -157,9 +159,12 @@ def _body_vjp(n: Node, body: onnx.GraphProto, input_infos: list[TensorInfo], wrt
                 relaxed = True
         if not relaxed:
             break
-    for vi in model.graph.output:
+    for k, vi in enumerate(model.graph.output):
         if not vi.type.tensor_type.elem_type and vi.name in inferred:
             vi.CopyFrom(_value_info(vi.name, inferred[vi.name]))
+        told = output_infos[k] if k < len(output_infos) else None
+        if not vi.type.tensor_type.HasField("shape") and told is not None and told.shape is not None:
+            vi.CopyFrom(_value_info(vi.name, TensorInfo(vi.type.tensor_type.elem_type or told.dtype, told.shape)))
     of_names = [outs[k] for k in of]
     for k, name in zip(of, of_names):
         if not _is_float(inferred.get(name)):
@@ -294,7 +299,7 @@ def if_(n: Node):
         mine = [x for x in wanted if x in reads]
         grads = {}
         if mine:
-            vjp = _body_vjp(n, body, [], mine, seeded)
+            vjp = _body_vjp(n, body, [], mine, seeded, output_infos=[o.info if o else None for o in n.outputs])
             env = {vjp.seeds[body.output[k].name]: n.dys[k].name for k in seeded}
             grads = vjp.inline(sb, env)
         outs = _distinct(sb, [sb.var(grads[x]) if x in grads else sb.zeros_like(sb.var(x)) for x in wanted])
@@ -315,7 +320,7 @@ def _taken_branch(n: Node, attr: str, wanted: list[str], seeded: list[int]) -> N
     mine = [x for x in wanted if x in M.subgraph_inputs(_holder(body))]
     if not mine:
         return None
-    vjp = _body_vjp(n, body, [], mine, seeded)
+    vjp = _body_vjp(n, body, [], mine, seeded, output_infos=[o.info if o else None for o in n.outputs])
     grads = vjp.inline(b, {vjp.seeds[body.output[k].name]: n.dys[k].name for k in seeded})
     for x in mine:
         if grads[x] not in b.infos and x in b.infos:        # the gradient of x has x's type and shape

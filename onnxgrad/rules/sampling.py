@@ -130,20 +130,22 @@ def _resize_plans(n: Node, x: Var, axes: list[int]) -> dict[int, dict]:
     static_in = [x.shape[k] if x.shape is not None else None for k in axes]
     y_shape = n.outputs[0].shape
     static_out = [y_shape[k] if y_shape is not None else None for k in axes]
-    common = None
+    common: float | Var | None = None
     if use_sizes and policy != "stretch":
         if sizes is None or None in static_in:
-            n.decline(f"Resize with keep_aspect_ratio_policy='{policy}' needs constant sizes "
-                          "and a static input shape")
-        ratios = [s / d for s, d in zip(sizes.tolist(), static_in)]
-        common = min(ratios) if policy == "not_larger" else max(ratios)
+            common = _keep_ratio_scale(n, x, axes, policy)
+        else:
+            ratios = [s / d for s, d in zip(sizes.tolist(), static_in)]
+            common = min(ratios) if policy == "not_larger" else max(ratios)
     plans = {}
     for i, k in enumerate(axes):
         plan: dict = {}
         if crop:
             plan["roi"] = ((float(roi[i]), float(roi[i + len(axes)])) if roi is not None
                            else ("input", i, len(axes)))
-        if common is not None:
+        if isinstance(common, Var):
+            plan.update(_keep_ratio_plan_at_run_time(n, common, k))
+        elif common is not None:
             plan.update(_keep_ratio_plan(n, common, static_in[i]))
         elif use_sizes:
             plan["size"] = int(sizes[i]) if sizes is not None else n.op.Gather(n.inputs[3], n.b.ints([i]), axis=0)
@@ -168,15 +170,41 @@ def _keep_ratio_plan(n: Node, scale: float, size_in: int) -> dict:
     if abs(scale * size_in - out) < 1e-6 * max(out, 1):
         return {"size": out}
     # round(scale * in) > floor(scale * in): resize an input made longer by repeating its last element (what
-    # the coordinate clamp reads past the edge) at the same scale, and keep the first `out` outputs. Right
-    # where an output's source coordinate does not depend on the input's length
+    # the coordinate clamp reads past the edge) at the same scale, and keep the first `out` outputs
+    _decline_unless_extendable(n, f"where round(scale * in) differs from floor(scale * in) (scale {scale:g}, "
+                                  f"input size {size_in})")
+    return {"scale": float(np.float32(scale)), "rows": out, "pad": int(np.ceil(2.0 / scale)) + 2}
+
+
+def _decline_unless_extendable(n: Node, case: str) -> None:
+    """Resizing a longer input and keeping the first outputs is right only where an output's source coordinate
+    does not depend on the input's length (and no tap weight on the input's edge: cubic's exclude_outside)."""
     ctm = n.attr("coordinate_transformation_mode", "half_pixel")
     cubic_inside = n.attr("mode", "nearest") == "cubic" and n.attr("exclude_outside", 0)
     if ctm not in ("half_pixel", "asymmetric", "tf_half_pixel_for_nn", "pytorch_half_pixel") or cubic_inside:
-        n.decline("Resize with keep_aspect_ratio_policy where round(scale * in) differs from floor(scale * in) "
-                      f"(scale {scale:g}, input size {size_in}) and coordinate_transformation_mode '{ctm}'"
-                      + (" with exclude_outside" if cubic_inside else ""))
-    return {"scale": float(np.float32(scale)), "rows": out, "pad": int(np.ceil(2.0 / scale)) + 2}
+        n.decline(f"Resize with keep_aspect_ratio_policy {case} and coordinate_transformation_mode '{ctm}'"
+                  + (" with exclude_outside" if cubic_inside else ""))
+
+
+def _keep_ratio_scale(n: Node, x: Var, axes: list[int], policy: str) -> Var:
+    """The policy's common scale, computed in the graph where sizes or the input's dims are known only at run
+    time: min (not_larger) or max (not_smaller) of sizes[i] / in[axes[i]], in float32 as onnxruntime computes it
+    (shape [1])."""
+    f32 = TensorProto.FLOAT
+    ins = n.op.Cast(n.op.Gather(n.b.shape_of(x), n.b.ints(axes), axis=0), to=f32)
+    ratios = n.op.Cast(n.inputs[3], to=f32) / ins
+    return n.b.reduce("ReduceMin" if policy == "not_larger" else "ReduceMax", ratios, [0], keepdims=True)
+
+
+def _keep_ratio_plan_at_run_time(n: Node, scale: Var, k: int) -> dict:
+    """Axis k's settings under keep_aspect_ratio_policy with a scale known at run time: the resize by ``scale`` of
+    an input made longer by repeating its last element, cut to the output's length (:func:`_keep_ratio_plan`'s
+    third case, which holds in the other two as well: whether round(scale * in) and floor(scale * in) differ is
+    not known here)."""
+    _decline_unless_extendable(n, "and sizes or input dims known only at run time (declare them as constants)")
+    two = n.b.const(np.array([2.0], np.float32))
+    pad = n.op.Cast(n.op.Ceil(two / scale), to=TensorProto.INT64) + n.b.ints([2])
+    return {"scale": scale, "rows": n.b.shape_of(n.dy, k, k + 1), "pad": pad}
 
 
 def _is_identity(plan: dict, size_in: int | None, size_out: int | None) -> bool:
@@ -196,9 +224,9 @@ def _interpolation_matrix(n: Node, x: Var, k: int, plan: dict, transposed: bool)
     size_in = n.b.dim(x, k)
     eye = n.op.EyeLike(n.b.zeros([size_in, size_in], x))
     if "pad" in plan:           # the last element repeated (see _keep_ratio_plan)
-        pads = [0, 0, 0, 0]
-        pads[2 + along] = plan["pad"]
-        eye = n.op.Pad(eye, n.b.ints(pads), mode="edge")
+        pad = plan["pad"] if isinstance(plan["pad"], Var) else n.b.ints([plan["pad"]])
+        pads = [n.b.ints([0] * (2 + along)), pad] + ([] if along else [n.b.ints([0])])    # [b0, b1, e0, e1]
+        eye = n.op.Pad(eye, n.op.Concat(*pads, axis=0), mode="edge")
     roi = scales = sizes = None
     if "roi" in plan:
         roi = _roi_2d(n, plan["roi"], along)
@@ -217,7 +245,8 @@ def _interpolation_matrix(n: Node, x: Var, k: int, plan: dict, transposed: bool)
         attrs["extrapolation_value"] = 0.0   # outputs outside the crop do not depend on X
     a = n.op.Resize(eye, roi, scales, sizes, **attrs)
     if "pad" in plan:
-        a = n.op.Slice(a, n.b.ints([0]), n.b.ints([plan["rows"]]), n.b.ints([along]))
+        rows = plan["rows"] if isinstance(plan["rows"], Var) else n.b.ints([plan["rows"]])
+        a = n.op.Slice(a, n.b.ints([0]), rows, n.b.ints([along]))
     return a
 
 
