@@ -159,13 +159,15 @@ def stripped(model: onnx.ModelProto, external: "Callable[[onnx.TensorProto], tup
         if ref is _DROP:
             continue
         if ref is NO_DATA:
-            out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims, doc_string=t.doc_string)
+            out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims, doc_string=t.doc_string,
+                                      metadata_props=t.metadata_props)
             continue
         if ref is None or t.data_location == onnx.TensorProto.EXTERNAL:     # external already: as it is
             out.graph.initializer.add().CopyFrom(t)
             continue
         location, offset, length = ref
-        e = out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims, doc_string=t.doc_string)
+        e = out.graph.initializer.add(name=t.name, data_type=t.data_type, dims=t.dims, doc_string=t.doc_string,
+                                      metadata_props=t.metadata_props)
         e.data_location = onnx.TensorProto.EXTERNAL
         for k, v in (("location", location), ("offset", str(offset)), ("length", str(length))):
             e.external_data.add(key=k, value=v)

@@ -591,12 +591,16 @@ class TrainingSession:
         save_model(self.exported_model(), os.fspath(path))
 
     def exported_model(self) -> onnx.ModelProto:
+        """The forward model with the current weights and running statistics; each initializer keeps its
+        metadata (from_torch's requires_grad mark), so the export trains again as this session did."""
         m = onnx.ModelProto()
         m.CopyFrom(self.artifacts.forward)
         values = {**self.parameters(), **self.buffers()}
         for init in m.graph.initializer:
             if init.name in self.spec.params or init.name in self.spec.buffers:
+                kept = list(init.metadata_props)
                 init.CopyFrom(numpy_helper.from_array(values[init.name], init.name))
+                init.metadata_props.extend(kept)
         return m
 
     # -- checkpoints ---------------------------------------------------------------------------------------

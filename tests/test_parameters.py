@@ -558,6 +558,7 @@ def test_a_parameter_recorded_with_requires_grad_false_is_not_trained():
     inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
              for name, shape in (("proj.weight", (3, 4)), ("fc.weight", (2, 3)))]
     inits[0].metadata_props.add(key=REQUIRES_GRAD_KEY, value="false")
+    inits[1].metadata_props.add(key="pkg.example.note", value="kept")
     graph = helper.make_graph(
         [helper.make_node("Gemm", ["x", "proj.weight"], ["h"], transB=1),
          helper.make_node("Gemm", ["h", "fc.weight"], ["y"], transB=1)],
@@ -570,6 +571,10 @@ def test_a_parameter_recorded_with_requires_grad_false_is_not_trained():
     s = TrainingSession(model, loss=losses.MSELoss(output="y", target="t"), optimizer=optim.SGD(lr=0.1))
     s.step({"x": rng.standard_normal((2, 4)).astype(np.float32), "t": np.zeros((2, 2), np.float32)})
     assert list(s.spec.params) == ["fc.weight"]
-    kept = {i.name: numpy_helper.to_array(i) for i in s.exported_model().graph.initializer}
+    exported = s.exported_model()
+    kept = {i.name: numpy_helper.to_array(i) for i in exported.graph.initializer}
     np.testing.assert_array_equal(kept["proj.weight"], numpy_helper.to_array(inits[0]))
     assert not np.array_equal(kept["fc.weight"], numpy_helper.to_array(inits[1]))
+    assert parameters(exported).trainable == ["fc.weight"]          # the marks survive the export
+    trained = next(i for i in exported.graph.initializer if i.name == "fc.weight")
+    assert [(p.key, p.value) for p in trained.metadata_props] == [("pkg.example.note", "kept")]

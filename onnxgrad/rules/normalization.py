@@ -182,10 +182,16 @@ def layer_normalization(n):
     compute, back = _stash(x, stash_type)
     dy, dmean, dinv = (n.dys + [None, None, None])[:3]
     xs, dys = _cast(n, x, compute), _cast(n, dy, compute)
-    mean, inv = n.expose_output(1, "Mean"), n.expose_output(2, "InvStdDev")
-    if xs.dtype is None or xs.dtype != stash_type:   # the statistics are of the stash type
-        mean, inv = n.b.cast_like(mean, xs), n.b.cast_like(inv, xs)
-    xc = xs - mean
+    if xs.dtype == TensorProto.DOUBLE and stash_type != TensorProto.DOUBLE:
+        # float64 x with float32 statistics (the default stash_type): y is normalised in x's precision, so the
+        # statistics are recomputed in it (the rounded outputs would leave the gradient off by about 1e-8)
+        xc, var = _centered(n, xs, axes)
+        inv = 1.0 / n.op.Sqrt(var + n.attr("epsilon", 1e-5))
+    else:
+        mean, inv = n.expose_output(1, "Mean"), n.expose_output(2, "InvStdDev")
+        if xs.dtype is None or xs.dtype != stash_type:   # the statistics are of the stash type
+            mean, inv = n.b.cast_like(mean, xs), n.b.cast_like(inv, xs)
+        xc = xs - mean
     xhat = xc * inv
     dx = dscale = dB = None
     if n.needs(0):
