@@ -10,8 +10,9 @@ For each model ``models/<stem>.onnx`` written by ``models/export.py`` it trains 
 makes, into ``models/trains/<stem>.onnx`` beside their references:
 
 - ``encoder_dynamo``: a transformer encoder with PyTorch's default initialisation (LayerNorm weights of 1,
-  zero biases) through ``torch.onnx.export(dynamo=True)`` (``optimize=True``): the exporter merges the
-  equal-valued parameters and drops a zero bias, which onnxgrad splits off and restores;
+  zero biases) and a padding token through ``torch.onnx.export(dynamo=True)`` (``optimize=True``): the
+  exporter merges the equal-valued parameters and drops a zero bias, which onnxgrad splits off and restores,
+  and the padding row gets no gradient, as in PyTorch;
 - ``cnn_legacy_training``: the CNN through the TorchScript exporter with ``training=TrainingMode.TRAINING``
   (BatchNormalization nodes in training mode; the export's trace updates the module's running statistics,
   so the reference trains the module as the export left it);
@@ -53,11 +54,12 @@ OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
 
 
 class Encoder(nn.Module):
-    """Token embedding, LayerNorm, one nn.TransformerEncoderLayer (dropout 0), a classifier on token 0."""
+    """Token embedding (padding_idx 0: PyTorch gives that row no gradient), LayerNorm, one
+    nn.TransformerEncoderLayer (dropout 0), a classifier on token 0."""
 
     def __init__(self):
         super().__init__()
-        self.emb = nn.Embedding(20, 16)
+        self.emb = nn.Embedding(20, 16, padding_idx=0)
         self.ln = nn.LayerNorm(16)
         self.layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
         self.head = nn.Linear(16, 3)
@@ -146,6 +148,7 @@ def default_exports() -> None:
     torch.manual_seed(0)
     enc = Encoder()
     idx = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(3))
+    idx[:, -2:] = 0         # padding at the end of every sequence
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         proto = torch.onnx.export(copy.deepcopy(enc).train(), (idx,), dynamo=True, input_names=["idx"],

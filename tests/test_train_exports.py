@@ -174,3 +174,19 @@ def test_cli_params_shows_the_findings(capsys):
     assert cli_main(["params", str(TRAINS / "scaled_dynamo.onnx")]) == 0
     out = capsys.readouterr().out
     assert "what the exporter did that training cannot undo: 1" in out and "logit_scale" in out
+
+
+def test_embedding_padding_row_gets_no_gradient_as_in_pytorch():
+    """nn.Embedding(padding_idx=0) exports as a plain Gather; the dynamo exporter's node metadata records the
+    aten.embedding call, and the Gather rule gives row 0 no gradient, as PyTorch does (the trajectory test
+    above fails without it). The numeric check compares every other row against central differences."""
+    from onnxgrad.check import check, random_inputs
+
+    model = onnx.load(str(TRAINS / "encoder_dynamo.onnx"))
+    gm = onnxgrad.grad(model, wrt=["emb.weight"], of=["logits"])
+    feeds = random_inputs(model, 0)
+    feeds["idx"][:, -1] = 0                         # the padding token is read
+    result = check(model, gm, feeds, rng=1)
+    assert result.ok(1e-4), result.errors
+    assert np.all(result.analytic["emb.weight"][0] == 0.0)
+    assert np.any(result.analytic["emb.weight"][1:] != 0.0)

@@ -383,6 +383,7 @@ def check(
         if progress is not None:
             progress(done, total)
 
+    padding = _padding_rows(model)
     for w in checked:
         run = runners.get(w, runners[None])
 
@@ -396,12 +397,13 @@ def check(
             point[w] = np.asarray(start[w], np.float64)
         x = point[w]
         a = analytic[w]
+        comparable = _comparable(x, padding.get(w, ()))
         if a.shape != x.shape:
             errors[w] = float("inf")
         elif x.size <= max_elements:
             num = a.copy()          # elements that cannot be perturbed (inf, nan) are not compared
             for j in range(x.size):
-                if np.isfinite(x.flat[j]):
+                if comparable.flat[j]:
                     h = eps * max(1.0, abs(x.flat[j]))
                     num.flat[j] = _central(objective, point, w, j, h)
                 tick()
@@ -410,8 +412,8 @@ def check(
             errors[w] = float(np.max(np.abs(a - num), initial=0.0) / max(scale, ABS_FLOOR))
         else:
             worst = 0.0
-            finite = np.isfinite(x)
-            h = eps * max(1.0, float(np.max(np.abs(x[finite]), initial=0.0)))
+            finite = comparable
+            h = eps * max(1.0, float(np.max(np.abs(x[np.isfinite(x)]), initial=0.0)))
             for _ in range(directions):
                 u = np.where(finite, rng.standard_normal(x.shape), 0.0)
                 u /= np.linalg.norm(u)
@@ -427,19 +429,45 @@ def check(
         joint = _joint_error(runners[None], point, [w for w in leaves if analytic[w].shape == point[w].shape],
                              analytic, objective_of=lambda out: float(np.sum(out[loss])) if loss else float(
                                  sum(np.sum(seeds64[o] * out[o]) for o in of)),
-                             targets=targets, rng=rng, eps=eps, directions=directions, tick=tick)
+                             targets=targets, rng=rng, eps=eps, directions=directions, tick=tick,
+                             padding=padding)
     return CheckResult(errors, analytic, numeric, runners[None].backend, grad_backend, joint, runners[None].reason,
                        grad_reason)
 
 
+def _comparable(x: np.ndarray, rows: "tuple[int, ...] | list[int]") -> np.ndarray:
+    """The elements of ``x`` whose derivative is compared: finite ones, outside an embedding's padding rows
+    (PyTorch gives ``padding_idx`` no gradient, which the Gather rule follows; the graph's math gives it one)."""
+    mask = np.isfinite(x)
+    if len(rows) and x.ndim == 2:
+        mask[list(rows)] = False
+    return mask
+
+
+def _padding_rows(model: onnx.ModelProto) -> dict[str, list[int]]:
+    """The embedding tables PyTorch's exporter recorded a ``padding_idx`` for: {table: [row]}."""
+    from ..rules.shape import _torch_padding_idx
+
+    rows: dict[str, list[int]] = {}
+    for node in model.graph.node:
+        if node.op_type == "Gather" and node.domain in ("", "ai.onnx"):
+            p = _torch_padding_idx(node)
+            if p is not None:
+                rows.setdefault(node.input[0], []).append(p)
+    return rows
+
+
 def _joint_error(run: "Runner", point: dict, names: list[str], analytic: dict, objective_of, targets: list[str],
-                 rng: np.random.Generator, eps: float, directions: int, tick) -> float | None:
+                 rng: np.random.Generator, eps: float, directions: int, tick, padding: dict | None = None
+                 ) -> float | None:
     """Worst relative error of the directional derivative along random directions over all ``names``."""
     if not names:
         return None
     worst = 0.0
+    padding = padding or {}
     for _ in range(directions):
-        u = {w: np.where(np.isfinite(point[w]), rng.standard_normal(point[w].shape), 0.0) for w in names}
+        u = {w: np.where(_comparable(point[w], padding.get(w, ())), rng.standard_normal(point[w].shape), 0.0)
+             for w in names}
         norm = np.sqrt(sum(float(np.sum(v * v)) for v in u.values())) or 1.0
         h = eps * max([1.0] + [float(np.max(np.abs(point[w][np.isfinite(point[w])]), initial=0.0)) for w in names])
         an = sum(float(np.sum(np.where(np.isfinite(point[w]), analytic[w], 0.0) * u[w])) for w in names) / norm

@@ -15,9 +15,11 @@ int64 tensor ``[size]`` (:data:`onnxgrad.builder.Dim`).
 """
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import numpy as np
+import onnx
 from onnx import TensorProto, numpy_helper
 
 from ..builder import INT64_MAX, INT64_MIN, Dim, TensorInfo, Var
@@ -540,17 +542,39 @@ def _index_add_onehot(n: Node, dims: list[Dim], axis: int, idx: Var, upd: Var, l
 
 @register("Gather")
 def gather(n: Node):
-    """y = take(x, idx, axis):  dx = zeros(x) with dx[.., idx[j], ..] += dy[.., j, ..]   (repeats accumulate)"""
+    """y = take(x, idx, axis):  dx = zeros(x) with dx[.., idx[j], ..] += dy[.., j, ..]   (repeats accumulate)
+
+    An ``nn.Embedding(padding_idx=p)`` exported by PyTorch's dynamo exporter (its node metadata records the
+    ``aten.embedding`` call): the row p gets no gradient, as in PyTorch (``embedding_backward`` skips it).
+    """
     x, idx = n.inputs
+    dy = n.dy
+    padding = _torch_padding_idx(n.proto)
+    if padding is not None and n.attr("axis", 0) == 0 and x.rank == 2:      # an embedding table's rows
+        hit = n.op.Equal(idx, n.b.const_like(np.asarray(padding), idx))
+        dy = n.op.Where(n.b.unsqueeze(hit, [-1]), n.b.scalar(0.0, dy), dy)
     if x.rank is None:
-        return _gather_grad_any_rank(n, x, idx, n.attr("axis", 0)), None
+        return _gather_grad_any_rank(n, x, idx, n.attr("axis", 0), dy), None
     axis = n.b.normalize_axis(n.attr("axis", 0), n.b.rank(x))
     dims = n.b.dims(x)
     idx = _nonneg(n, idx, dims[axis])
-    return _index_add(n, dims, axis, idx, n.dy, x, accumulate=not _distinct(n, idx)), None
+    return _index_add(n, dims, axis, idx, dy, x, accumulate=not _distinct(n, idx)), None
 
 
-def _gather_grad_any_rank(n: Node, x: Var, idx: Var, axis: int) -> Var:
+_FX_NODE_KEY = "pkg.torch.onnx.fx_node"
+_EMBEDDING_CALL = re.compile(r"aten\.embedding\.default\]\(args = \(%[\w.]+, %[\w.]+, (-?\d+)")
+
+
+def _torch_padding_idx(node: onnx.NodeProto) -> int | None:
+    """The ``padding_idx`` of the ``aten.embedding`` call a Gather was exported from (dynamo's metadata)."""
+    for p in node.metadata_props:
+        if p.key == _FX_NODE_KEY:
+            m = _EMBEDDING_CALL.search(p.value)
+            return int(m.group(1)) if m and int(m.group(1)) >= 0 else None
+    return None
+
+
+def _gather_grad_any_rank(n: Node, x: Var, idx: Var, axis: int, dy: Var) -> Var:
     """x of unknown rank: x seen as [A, d, B] (A, B: the products of the dims before and after axis,
     read from Shape(x)), dy as [A, K, B] with K the number of indices; one scatter-add along the middle."""
     shape = n.b.shape_of(x)
@@ -561,7 +585,7 @@ def _gather_grad_any_rank(n: Node, x: Var, idx: Var, axis: int) -> Var:
     flat = n.op.Reshape(idx, n.b.ints([-1]))
     n.b.infos[flat.name] = TensorInfo(idx.dtype, (None,))
     flat = _nonneg(n, flat, d)
-    upd = n.op.Reshape(n.dy, n.op.Concat(lead, n.b.ints([-1]), tail, axis=0))
+    upd = n.op.Reshape(dy, n.op.Concat(lead, n.b.ints([-1]), tail, axis=0))
     g = _index_add(n, [lead, d, tail], 1, flat, upd, x, accumulate=not _distinct(n, flat))
     return n.op.Reshape(g, shape)
 
