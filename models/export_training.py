@@ -13,6 +13,8 @@ makes, into ``models/trains/<stem>.onnx`` beside their references:
   zero biases) and a padding token through ``torch.onnx.export(dynamo=True)`` (``optimize=True``): the
   exporter merges the equal-valued parameters and drops a zero bias, which onnxgrad splits off and restores,
   and the padding row gets no gradient, as in PyTorch;
+- ``tied_lm_dynamo``: a language model whose head is its token embedding (a tie: one parameter, which the
+  default export keeps as one initializer, as it does parameters merged by value; onnxgrad keeps it one);
 - ``cnn_legacy_training``: the CNN through the TorchScript exporter with ``training=TrainingMode.TRAINING``
   (BatchNormalization nodes in training mode; the export's trace updates the module's running statistics,
   so the reference trains the module as the export left it);
@@ -26,7 +28,8 @@ first output; absent when the model's output is its loss), ``output`` (the outpu
 ``optimizer`` ("sgd": lr 0.05, momentum 0.9; "adamw": lr 0.01, weight decay 0.01), ``losses`` (PyTorch's
 loss at each step, before its update), ``init/<initializer>`` (every initializer holding parameters, after
 the steps, in its layout; where models/export.py's mapping by value finds them) and ``torch/<name>`` (every
-parameter after the steps, in PyTorch's layout), ``running/<initializer>`` (BatchNorm running statistics).
+parameter after the steps, in PyTorch's layout), ``alias/<name>`` (a tied parameter's other name: the name
+``torch/`` holds it under), ``running/<initializer>`` (BatchNorm running statistics).
 """
 from __future__ import annotations
 
@@ -66,6 +69,22 @@ class Encoder(nn.Module):
 
     def forward(self, idx):
         return self.head(self.layer(self.ln(self.emb(idx)))[:, 0])
+
+
+class TiedLM(nn.Module):
+    """Token embedding, LayerNorm, an MLP, and an LM head tied to the embedding (one parameter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(24, 16)
+        self.ln = nn.LayerNorm(16)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+        self.head = nn.Linear(16, 24, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, idx):
+        h = self.tokens(idx)
+        return self.head(self.ln(h + self.mlp(h)))
 
 
 class Scaled(nn.Module):
@@ -109,6 +128,9 @@ def write(stem: str, proto: onnx.ModelProto, model: nn.Module, inputs: dict[str,
     if target is not None:
         arrays["target"] = target.numpy()
     arrays.update({f"torch/{k}": p.detach().numpy() for k, p in after.named_parameters()})
+    canonical = {id(p): k for k, p in after.named_parameters()}     # a tied parameter's other names
+    arrays.update({f"alias/{k}": np.array(canonical[id(p)]) for k, p in after.named_parameters(remove_duplicate=False)
+                   if canonical[id(p)] != k})
     try:
         held = E.map_initializers(proto, model)
         arrays.update({f"init/{k}": h.value(after) for k, h in held.items()})
@@ -155,6 +177,16 @@ def default_exports() -> None:
                                   output_names=["logits"], verbose=False).model_proto
     save(proto, "encoder_dynamo")
     write("encoder_dynamo", proto, enc, {"idx": idx}, "logits", "sgd")
+
+    torch.manual_seed(0)
+    lm = TiedLM()
+    idx = torch.randint(0, 24, (3, 5), generator=torch.Generator().manual_seed(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        proto = torch.onnx.export(copy.deepcopy(lm).train(), (idx,), dynamo=True, input_names=["idx"],
+                                  output_names=["logits"], verbose=False).model_proto
+    save(proto, "tied_lm_dynamo")
+    write("tied_lm_dynamo", proto, lm, {"idx": idx}, "logits", "adamw")
 
     cnn, inputs = E.build("cnn")
     for mode in ("TRAINING", "EVAL"):

@@ -68,6 +68,8 @@ NO_FOLDING_HINT = ("to train it, export with onnxgrad.from_torch(module, args) (
 REEXPORT_HINT = ("export with onnxgrad.from_torch(module, args), or torch.onnx.export(..., dynamo=True, "
                  "optimize=False) with the module as it trains")
 NODE_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
+REWRITE_RULE_KEY = "pkg.onnxscript.rewriter.rule_name"
+FROM_TORCH_KEY = "onnxgrad.from_torch"           # model metadata: the torch version that exported it
 # the dynamo exporter names a folded tensor after the aten op that made it (exp, mul_3): one of these is a
 # function of the parameter (its values changed, not rearranged), which cannot train as the parameter
 _FUNCTION_OF = re.compile(r"^(exp|exp2|expm1|log|log1p|log2|log10|mul|div|add|sub|rsub|pow|sqrt|rsqrt|reciprocal|"
@@ -195,7 +197,8 @@ def parameters(
     decisions = [_decide(init, facts, set(frozen), reach, what) for init in floats]
     decisions = _break_ties(decisions, facts, {i.name: i for i in floats})
     by_name = {p.name: p for p in decisions}
-    split = [_split_off(target, by_name.get(holder), uses, what, set(frozen)) for target, holder, uses, what in merges]
+    split = [_split_off(target, by_name.get(holder), uses, what, set(frozen)) for target, holder, uses, what in merges
+             if what != "tie"]
     rows = [Parameter(p.tied_to, p.tied_to not in set(frozen), "frozen" if p.tied_to in set(frozen) else
                       f"the rows of PyTorch parameter '{p.torch_name}' that the exporter's folded '{p.name}' repeats "
                       "(restored as an Expand of them)", p.torch_name, rows_of=p.name)
@@ -394,11 +397,33 @@ def _merged_parameters(model: onnx.ModelProto, facts: _ModelFacts) -> list[tuple
     for _, uses in claims.values():
         for use in uses:
             counted[use] = counted.get(use, 0) + 1
-    merges += [(target, holder, uses, "parameter") for target, (holder, uses) in claims.items()
-               if all(counted[u] == 1 for u in uses)]
+    # a tie (an LM head that is the token embedding) looks the same in the graph: one tensor for two names.
+    # Merged by value only where the exporter's optimizer ran and the values say so: one value repeated
+    # (zero biases, LayerNorm weights of 1) or a layer cloned from another (layers.1.x holding layers.0.x)
+    optimized = _optimized_by_exporter(model, facts)
+    values = {i.name: i for i in g.initializer}
+    for target, (holder, uses) in claims.items():
+        if all(counted[u] == 1 for u in uses):
+            by_value = optimized and (_constant_fill(values[holder]) or _clone_path(target) == _clone_path(
+                holds[holder]))
+            merges.append((target, holder, uses, "parameter" if by_value else "tie"))
     merges += _dropped_biases([t for t in missing if t not in claims and t.rpartition(".")[0] not in folded],
                               model, facts, claims)
     return merges
+
+
+def _optimized_by_exporter(model: onnx.ModelProto, facts: _ModelFacts) -> bool:
+    """Whether the dynamo exporter's optimizer ran (optimize=True, its default): it leaves folded_from or
+    rewrite-rule metadata. Without it (onnxgrad.from_torch, optimize=False) no tensors are merged by value."""
+    if any(p.key == FROM_TORCH_KEY for p in model.metadata_props):
+        return False
+    return (any(facts.folded_from(i.name) is not None for i in model.graph.initializer)
+            or any(p.key == REWRITE_RULE_KEY for n in model.graph.node for p in n.metadata_props))
+
+
+def _clone_path(name: str) -> str:
+    """A parameter's path with its layer indices taken out: layers.1.norm1.weight -> layers.#.norm1.weight."""
+    return re.sub(r"(^|\.)\d+(?=\.)", r"\1#", name)
 
 
 def _dropped_biases(missing: list[str], model: onnx.ModelProto, facts: _ModelFacts,

@@ -29,11 +29,10 @@ from typing import Any, Iterator, Mapping
 import onnx
 
 from .errors import OnnxGradError
-from .params import REQUIRES_GRAD_KEY
+from .params import FROM_TORCH_KEY, REQUIRES_GRAD_KEY
 
 __all__ = ["from_torch", "TorchExportError", "FROM_TORCH_KEY", "TORCH_TRAINING_KEY"]
 
-FROM_TORCH_KEY = "onnxgrad.from_torch"              # model metadata: the torch version that exported it
 TORCH_TRAINING_KEY = "onnxgrad.torch_training"      # model metadata: "true" / "false", the module's mode
 
 # exporter options training depends on: the value from_torch uses, and why another value would break training

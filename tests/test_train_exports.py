@@ -80,9 +80,10 @@ def test_trains_as_pytorch(stem):
             np.testing.assert_allclose(params[name], want, rtol=1e-4, atol=2e-6, err_msg=f"{stem}: {name}")
     else:       # merged by value: each trained tensor by its PyTorch name, every PyTorch parameter once
         torch_params = {k[len("torch/"):]: v for k, v in ref.items() if k.startswith("torch/")}
+        alias = {k[len("alias/"):]: str(v) for k, v in ref.items() if k.startswith("alias/")}
         seen = set()
         for name, value in params.items():
-            torch_name = report[name].torch_name
+            torch_name = alias.get(report[name].torch_name, report[name].torch_name)
             assert torch_name in torch_params, f"{stem}: '{name}' holds '{torch_name}', not a PyTorch parameter"
             want = torch_params[torch_name]
             np.testing.assert_allclose(_torch_layout(value, want), want, rtol=1e-4, atol=2e-6,
@@ -106,6 +107,14 @@ def test_default_transformer_export_gets_its_merged_and_dropped_parameters_back(
     restored = [p for p in report if p.zeros is not None]
     assert [(p.name, p.zeros, p.trainable) for p in restored] == [("layer.self_attn.out_proj.bias", (16,), True)]
     assert not report.findings
+
+
+def test_a_tied_head_stays_one_parameter_in_a_default_export():
+    """A tie looks like a merge in the graph (one initializer, two names in the signature); the head's values
+    are random, not a constant fill or a cloned layer's, so it stays one parameter, as PyTorch's."""
+    report = onnxgrad.parameters(str(TRAINS / "tied_lm_dynamo.onnx"))
+    assert not [p for p in report if p.merged_into] and not report.findings
+    assert "head.weight" in report.trainable and report["val_6"].tied_to == "head.weight"
 
 
 @pytest.mark.parametrize("stem", sorted(REFUSED))
