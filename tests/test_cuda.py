@@ -17,11 +17,12 @@ import numpy as np
 import onnx
 import pytest
 
+from mlp_batches import DATA, assert_unchanged, batch, poisoned
+
 ort = pytest.importorskip("onnxruntime")
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
-DATA = np.load(MODELS / "training" / "trajectories.npz")
 CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
 
 
@@ -42,16 +43,6 @@ def mlp(**kw):
     return TrainingSession(onnx.load(MODELS / "training" / "mlp.onnx"),
                            loss=losses.CrossEntropyLoss(output="logits", target="y"),
                            optimizer=kw.pop("optimizer", None) or optim.AdamW(lr=1e-2), **kw)
-
-
-def batch(step: int = 0) -> dict[str, np.ndarray]:
-    return {"x": DATA["x"][step], "y": DATA["y"][step]}
-
-
-def poisoned() -> dict[str, np.ndarray]:
-    x = DATA["x"][0].copy()
-    x[3, 2] = np.nan
-    return {"x": x, "y": DATA["y"][0]}
 
 
 pytestmark = pytest.mark.skipif(not _cuda_usable(), reason="needs onnxruntime-gpu and a usable CUDA GPU")
@@ -82,11 +73,7 @@ def test_a_nan_batch_is_refused_on_cuda_with_the_weights_unchanged(on_nonfinite)
         with pytest.warns(NonFiniteWarning):
             s.step(poisoned())
     assert s.step_count == 1
-    for name, value in s.parameters().items():
-        np.testing.assert_array_equal(value, before[name])
-    for p, st in s.optimizer_state().items():
-        for k, v in st.items():
-            np.testing.assert_array_equal(v, state[p][k])
+    assert_unchanged(s, before, state)
     s.step(batch(1))
     assert s.step_count == 2
 

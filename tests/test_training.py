@@ -15,6 +15,7 @@ import pytest
 from onnx import TensorProto, numpy_helper
 
 import onnxgrad
+from mlp_batches import DATA, assert_unchanged, batch, poisoned
 from onnxgrad import TrainingSession, artifacts, losses, optim
 from onnxgrad.cli import main as cli_main
 from onnxgrad.training import CheckpointMismatchError, CorruptCheckpointError, NonFiniteError, NonFiniteWarning
@@ -22,7 +23,6 @@ from onnxgrad.training import CheckpointMismatchError, CorruptCheckpointError, N
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "models" / "training"
 RUNS = json.loads((FIXTURES / "runs.json").read_text())["runs"]
-DATA = np.load(FIXTURES / "trajectories.npz")
 F = TensorProto.FLOAT
 
 
@@ -32,10 +32,6 @@ def mlp_model():
 
 def ce(**options):
     return losses.CrossEntropyLoss(output="logits", target="y", **options)
-
-
-def batch(step=0):
-    return {"x": DATA["x"][step], "y": DATA["y"][step]}
 
 
 def session(optimizer=None, **kw):
@@ -347,12 +343,6 @@ def test_double_precision_model_trains():
 
 
 # -- NaN / Inf -------------------------------------------------------------------------------------------
-def poisoned():
-    x = DATA["x"][0].copy()
-    x[3, 2] = np.nan
-    return {"x": x, "y": DATA["y"][0]}
-
-
 def test_nonfinite_step_raises_and_applies_nothing():
     s = session(optim.Adam(lr=1e-2))
     s.step(batch(0))
@@ -360,11 +350,7 @@ def test_nonfinite_step_raises_and_applies_nothing():
     with pytest.raises(NonFiniteError, match="not applied"):
         s.step(poisoned())
     assert s.step_count == 1
-    for name, value in s.parameters().items():
-        np.testing.assert_array_equal(value, before[name])
-    for p, st in s.optimizer_state().items():
-        for k, v in st.items():
-            np.testing.assert_array_equal(v, state[p][k])
+    assert_unchanged(s, before, state)
     s.step(batch(1))
     assert s.step_count == 2 and all(np.isfinite(v).all() for v in s.parameters().values())
 

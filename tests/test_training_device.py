@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 
 import onnxgrad.training as T
+from mlp_batches import DATA, assert_unchanged, batch, poisoned
 from onnxgrad import OnnxGradError, TrainingSession, losses, optim
 from onnxgrad.cli import main as cli_main
 from onnxgrad.optimize import cuda_refusals
@@ -20,7 +21,6 @@ from onnxgrad.training import DeviceError, DeviceFallbackWarning, NonFiniteError
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
-DATA = np.load(MODELS / "training" / "trajectories.npz")
 TRAIN_STEPS = sorted(p.stem for p in (MODELS / "train_step").glob("*.npz"))
 
 
@@ -29,16 +29,6 @@ def mlp(**kw) -> TrainingSession:
     return TrainingSession(onnx.load(MODELS / "training" / "mlp.onnx"),
                            loss=losses.CrossEntropyLoss(output="logits", target="y"),
                            optimizer=optim.Adam(lr=1e-2), **kw)
-
-
-def batch(step: int = 0) -> dict[str, np.ndarray]:
-    return {"x": DATA["x"][step], "y": DATA["y"][step]}
-
-
-def poisoned() -> dict[str, np.ndarray]:
-    x = DATA["x"][0].copy()
-    x[3, 2] = np.nan
-    return {"x": x, "y": DATA["y"][0]}
 
 
 # -- the step's scalars and the verdict --------------------------------------------------------------------
@@ -77,11 +67,7 @@ def test_scalars_are_the_runs_own_whatever_the_last_runs_outputs_hold():
     with pytest.raises(NonFiniteError, match="not applied"):       # the stale 'finite' read True: refused anyway
         s.step(poisoned())
     assert s.step_count == 3
-    for name, value in s.parameters().items():
-        np.testing.assert_array_equal(value, before[name])
-    for p, st in s.optimizer_state().items():
-        for k, v in st.items():
-            np.testing.assert_array_equal(v, state[p][k])
+    assert_unchanged(s, before, state)
     assert s.step(batch(4)) == reference.step(batch(4))
 
 
@@ -267,11 +253,7 @@ def test_cuda_target_guards_the_update_with_where_and_trains_as_the_if(monkeypat
     before, state = s.parameters(), s.optimizer_state()
     with pytest.raises(NonFiniteError, match="not applied"):
         s.step(poisoned())
-    for name, value in s.parameters().items():
-        np.testing.assert_array_equal(value, before[name])
-    for p, st in s.optimizer_state().items():
-        for k, v in st.items():
-            np.testing.assert_array_equal(v, state[p][k])
+    assert_unchanged(s, before, state)
     s.step(batch(3))
     reference.step(batch(3))
     for name, value in s.parameters().items():
