@@ -72,9 +72,47 @@ def dft_17(n):
 
 @register("DFT", beyond_tags=(0,), since=20)
 def dft(n):
-    """DFT-20: the axis is an optional constant input (default -2)."""
+    """DFT-20: the axis is an optional input (default -2). Known only at run time, it is one of the
+    signal's axes: the gradient along each is built and the one the axis names is taken (Where)."""
+    if n.input(2) is not None and n.const_ints(2) is None:
+        return _dft_any_axis(n)
     given = _const_int(n, 2, "axis")
     return _dft(n, -2 if given is None else given)
+
+
+def _dft_any_axis(n: Node):
+    x = n.inputs[0]
+    if x.shape is None or any(d is None for d in x.shape):
+        n.decline("DFT with an axis known only at run time needs its input's shape known when the gradient "
+                  "is built")
+    rank = len(x.shape)
+    axis = n.op.Reshape(n.inputs[2], n.b.ints([]))
+    rank_like = n.b.const(np.array(rank, np.int64))
+    axis = n.op.Where(n.op.Less(axis, n.b.const(np.array(0, np.int64))), axis + rank_like, axis)
+    y = n.outputs[0].shape
+    candidates = [k for k in range(rank - 1)       # the last axis holds the (real, imaginary) pair
+                  if y is None or None in y or _dft_shape(n, x.shape, k) == tuple(y)]
+    if not candidates:
+        n.decline("no axis of DFT's input gives its output's shape")
+    dx = None
+    for k in candidates:
+        along = _dft(n, k)[0]
+        dx = along if dx is None else n.op.Where(n.op.Equal(axis, n.b.const(np.array(k, np.int64))), along, dx)
+    return dx, None, None
+
+
+def _dft_shape(n: Node, shape: tuple, axis: int) -> tuple:
+    """DFT's output shape along ``axis`` (complex pairs; one-sided keeps N // 2 + 1, the inverse real
+    one-sided N = dft_length or 2 (len - 1))."""
+    inverse, onesided = n.attr("inverse", 0), bool(n.attr("onesided", 0))
+    given = n.const_ints(1) if n.input(1) is not None else None
+    out = list(shape[:-1]) + [2]
+    if inverse and onesided:
+        out[axis], out[-1] = (given[0] if given else 2 * (shape[axis] - 1)), 1
+    else:
+        length = given[0] if given else shape[axis]
+        out[axis] = length // 2 + 1 if onesided else length
+    return tuple(out)
 
 
 def _dft(n: Node, axis: int):
