@@ -74,9 +74,11 @@ def from_torch(module: Any, args: Any, kwargs: Mapping[str, Any] | None = None, 
     break training is refused with the reason.
     """
     try:
+        import onnxscript  # noqa: F401  (torch.onnx's dynamo exporter imports it when it exports)
         import torch
-    except ImportError:
-        raise TorchExportError('from_torch needs PyTorch: pip install "onnxgrad[torch]"') from None
+    except ImportError as e:
+        raise TorchExportError(f'from_torch needs PyTorch and onnxscript ({e.name} is missing): '
+                               'pip install "onnxgrad[torch]"') from None
     if not isinstance(module, torch.nn.Module):
         raise TorchExportError(f"from_torch exports a torch.nn.Module, got {type(module).__name__}")
     _check_options(options)

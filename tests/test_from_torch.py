@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 
 torch = pytest.importorskip("torch")
+pytest.importorskip("onnxscript")       # torch.onnx's dynamo exporter
 nn = torch.nn
 F = torch.nn.functional
 
