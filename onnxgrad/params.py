@@ -348,7 +348,10 @@ def _merged_parameters(model: onnx.ModelProto, facts: _ModelFacts) -> list[tuple
       where exactly one holder fits (the same attribute name first) and no other parameter claims the same
       reads, so that nothing is split off wrongly;
     - ``"statistic"``: a BatchNormalization running statistic that shares its initializer with a weight (the
-      TorchScript exporter merges a fresh running_var with a scale of ones).
+      TorchScript exporter merges a fresh running_var with a scale of ones);
+    - ``"tie"``: a parameter read through another's initializer that was not merged by value (a tied LM head),
+      which stays one tensor, as in PyTorch;
+    - ``"zeros:<shape>"``: a zero bias the exporter's optimizer dropped (:func:`_dropped_biases`).
     """
     g = model.graph
     inits = {i.name for i in g.initializer if i.data_type in M.FLOAT_TYPES}
@@ -407,8 +410,9 @@ def _merged_parameters(model: onnx.ModelProto, facts: _ModelFacts) -> list[tuple
             by_value = optimized and (_constant_fill(values[holder]) or _clone_path(target) == _clone_path(
                 holds[holder]))
             merges.append((target, holder, uses, "parameter" if by_value else "tie"))
-    merges += _dropped_biases([t for t in missing if t not in claims and t.rpartition(".")[0] not in folded],
-                              model, facts, claims)
+    if optimized:
+        merges += _dropped_biases([t for t in missing if t not in claims and t.rpartition(".")[0] not in folded],
+                                  model, facts, claims)
     return merges
 
 
