@@ -96,6 +96,10 @@ def architectures():
         transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16, num_labels=3,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, pad_token_id=0)
     )), torch.randint(1, 64, (4, 8)), "sgd")
+    yield ("GPT-2 LM, head tied to the embedding (transformers)", Logits(transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16, resid_pdrop=0.0,
+                                embd_pdrop=0.0, attn_pdrop=0.0)
+    )), torch.randint(0, 64, (4, 8)), "sgd")
 
 
 def export(module: nn.Module, x: torch.Tensor, dynamo: bool) -> onnx.ModelProto:
