@@ -28,6 +28,13 @@ FLOAT_TYPES = frozenset(
     {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
 )
 
+
+
+def float_bits(dtype: int | None) -> int:
+    """Bits of a float element type (0 when unknown: nothing is narrower)."""
+    return 8 * helper.tensor_dtype_to_np_dtype(dtype).itemsize if dtype else 0
+
+
 INT64_MAX = int(np.iinfo(np.int64).max)     # Slice's "to the end"
 INT64_MIN = int(np.iinfo(np.int64).min)     # Slice's "to the start" (negative steps)
 

@@ -17,7 +17,7 @@ from typing import Sequence
 
 from onnx import TensorProto
 
-from ..builder import Var
+from ..builder import Var, float_bits
 from ..registry import Node, register
 
 _HALF_TYPES = (TensorProto.FLOAT16, TensorProto.BFLOAT16)
@@ -182,9 +182,10 @@ def layer_normalization(n):
     compute, back = _stash(x, stash_type)
     dy, dmean, dinv = (n.dys + [None, None, None])[:3]
     xs, dys = _cast(n, x, compute), _cast(n, dy, compute)
-    if xs.dtype == TensorProto.DOUBLE and stash_type != TensorProto.DOUBLE:
-        # float64 x with float32 statistics (the default stash_type): y is normalised in x's precision, so the
-        # statistics are recomputed in it (the rounded outputs would leave the gradient off by about 1e-8)
+    if float_bits(stash_type) < float_bits(xs.dtype):
+        # statistics stored narrower than x (a float64 x, the default float32 stash_type): y is normalised in
+        # x's precision, so they are recomputed in it (the rounded outputs left the gradient off by about 1e-8),
+        # as the tangent rule does
         xc, var = _centered(n, xs, axes)
         inv = 1.0 / n.op.Sqrt(var + n.attr("epsilon", 1e-5))
     else:

@@ -1,9 +1,9 @@
 """Tangents of softmax, pooling, normalization, dropout and the cross-entropy loss."""
 from __future__ import annotations
 
-from onnx import TensorProto, helper
+from onnx import TensorProto
 
-from ..builder import TensorInfo, Var, total
+from ..builder import TensorInfo, Var, float_bits, total
 from .base import TNode, defjvp, linear_tangent
 
 
@@ -86,7 +86,7 @@ def layer_normalization(t: TNode):
     wanted = [k < len(t.proto.output) and bool(t.proto.output[k]) for k in range(3)]
     axes = list(range(_axis(t, -1) % x.rank, x.rank))
     stash = int(t.attr("stash_type", TensorProto.FLOAT))
-    if _bits(stash) < _bits(x.dtype):
+    if float_bits(stash) < float_bits(x.dtype):
         mu = t.b.reduce("ReduceMean", x, axes)
         centred = x - mu
         r = t.op.Reciprocal(t.op.Sqrt(t.b.reduce("ReduceMean", centred * centred, axes) + t.attr("epsilon", 1e-5)))
@@ -111,11 +111,6 @@ def layer_normalization(t: TNode):
     for k, d in ((1, d_mu), (2, d_r)):
         tangents.append(t.b.cast_like(d, stats[k - 1]) if wanted[k] and d is not None else None)
     return tangents
-
-
-def _bits(dtype: int | None) -> int:
-    """Bits of a float element type (0 when unknown: nothing is narrower)."""
-    return 8 * helper.tensor_dtype_to_np_dtype(dtype).itemsize if dtype else 0
 
 
 @defjvp("Dropout")
