@@ -47,7 +47,7 @@ from . import losses as L
 from .errors import OnnxGradError, UnknownNameError
 from .files import NO_DATA, atomic_write, runnable, save_model, stripped
 from .optim import Optimizer, from_config
-from .optimize import target_for
+from .optimize import provider_name, target_for
 from .optimize.guard import guard_as_where
 from .recompute import ORT_DISABLED_OPTIMIZERS
 from .runtime import onnxruntime
@@ -170,8 +170,7 @@ class TrainingSession:
         self._options = session_options
         self._engine: D.Engine | None = None
         if data_parallel is not False:
-            first = self._providers[0]
-            cuda = (first[0] if isinstance(first, tuple) else first) == "CUDAExecutionProvider"
+            cuda = provider_name(self._providers[0]) == "CUDAExecutionProvider"
             self._engine = D.engine(data_parallel, "cuda" if cuda else "cpu")
             if providers is None and cuda:      # one GPU per worker on its machine
                 self._providers[0] = ("CUDAExecutionProvider", {"device_id": self._engine.local_rank})
@@ -755,7 +754,7 @@ class TrainingSession:
         cannot be built, or that onnxruntime builds without the GPU provider (it falls back to the CPU with
         a logged warning), raises :class:`DeviceError` when the providers were the caller's; with the
         default providers the session trains on the CPU and :class:`DeviceFallbackWarning` says why."""
-        first = _provider_name(self._providers[0])
+        first = provider_name(self._providers[0])
         try:
             sess = self._session(model)
         except Exception as e:
@@ -1000,15 +999,10 @@ def _shape(value: Any) -> tuple[int, ...]:
     return tuple(value.shape()) if callable(getattr(value, "shape", None)) else tuple(np.shape(value))
 
 
-def _provider_name(provider: Any) -> str:
-    """An execution provider's name, given as a name or (name, options)."""
-    return provider[0] if isinstance(provider, (tuple, list)) else provider
-
-
 def _device_of(sess: Any) -> tuple[str, int]:
     """Where the session's first execution provider keeps tensors: ("cuda", id) or ("cpu", 0)."""
     used = sess.get_providers()
-    if used and used[0] in ("CUDAExecutionProvider", "TensorrtExecutionProvider"):
+    if used and used[0] in _GPU_PROVIDERS:
         options = sess.get_provider_options().get(used[0], {})
         return "cuda", int(options.get("device_id", 0) or 0)
     return "cpu", 0

@@ -16,7 +16,7 @@ import onnxgrad.training as T
 from mlp_batches import DATA, assert_unchanged, batch, poisoned
 from onnxgrad import OnnxGradError, TrainingSession, losses, optim
 from onnxgrad.cli import main as cli_main
-from onnxgrad.optimize import cuda_refusals
+from onnxgrad.optimize import cuda_refusals, provider_name
 from onnxgrad.training import DeviceError, DeviceFallbackWarning, NonFiniteError, StepReadbackError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,7 +152,7 @@ def _failing_cuda_session(monkeypatch):
     build = TrainingSession._session
 
     def session(self, model):
-        if T._provider_name(self._providers[0]) == "CUDAExecutionProvider":
+        if provider_name(self._providers[0]) == "CUDAExecutionProvider":
             raise RuntimeError("CUDA failure 100: no CUDA-capable device is detected")
         return build(self, model)
 

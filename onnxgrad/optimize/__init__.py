@@ -33,7 +33,7 @@ from .masks import WHERE_ZERO_AS_MUL
 from .pool import MAX_POOL_TAPS
 from .rewriter import Report, Rewrite, apply
 
-__all__ = ["REWRITES", "TARGETS", "cuda_refusals", "optimize", "target_for"]
+__all__ = ["REWRITES", "TARGETS", "cuda_refusals", "optimize", "provider_name", "target_for"]
 
 REWRITES: dict[str, Rewrite] = {r.name: r for r in (
     CONV_FORWARD_PATCHES, CONV_WEIGHT_GRAD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, MAX_POOL_TAPS,
@@ -53,9 +53,12 @@ def target_for(providers: Sequence[Any] | None) -> str | None:
     None (canonical) for a provider without a rewrite table."""
     if not providers:
         return None
-    first = providers[0]
-    name = first[0] if isinstance(first, (tuple, list)) else first
-    return _PROVIDERS.get(name)
+    return _PROVIDERS.get(provider_name(providers[0]))
+
+
+def provider_name(provider: Any) -> str:
+    """An execution provider's name, given as a name or (name, options)."""
+    return provider[0] if isinstance(provider, (tuple, list)) else provider
 
 
 def cuda_refusals(model: onnx.ModelProto) -> list[str]:
