@@ -51,6 +51,7 @@ from .errors import ExportFoldedError, ExportWarning, OnnxGradError, UnknownName
 from .files import HELD, copy_model, is_held, stripped
 from .losses import CLASS_TARGETS_KEY
 from .optim import AdamW, Optimizer, UpdateContext
+from .optimize.guard import guard_as_where
 from .params import ParameterReport, parameters, restore_ties
 from .train_mode import to_eval_mode, to_train_mode
 
@@ -250,8 +251,13 @@ def build(
         differentiated, running = tm.model, tm.running
     gm = grad(differentiated, wrt=params, loss=loss_name, strict_tags=strict_tags, target=target,
               recompute=recompute)
-    return _Builder(loss_model, forward, gm, loss_name, params, frozen, optimizer, clip_grad_norm,
-                    int(accumulation_steps), guard, defaults, running, keep_grads, report, train_mode).run(split)
+    art = _Builder(loss_model, forward, gm, loss_name, params, frozen, optimizer, clip_grad_norm,
+                   int(accumulation_steps), guard, defaults, running, keep_grads, report, train_mode).run(split)
+    if target == "cuda":        # the update's guard on the GPU: onnxruntime reads an If's condition on the host
+        art.train = guard_as_where(art.train, art.spec.finite)[0]
+        if art.split is not None:
+            art.split.update = guard_as_where(art.split.update, art.split.spec.finite)[0]
+    return art
 
 
 def _say_findings(report: ParameterReport, train_mode: bool) -> None:

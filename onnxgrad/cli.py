@@ -363,10 +363,6 @@ def run_train(args: argparse.Namespace) -> int:
                           clip_grad_norm=args.clip_grad_norm, accumulation_steps=args.accumulation_steps,
                           guard=True, defaults=False, train_mode=not args.eval_mode, target=args.optimize_for,
                           recompute=args.recompute)
-    if args.optimize_for == "cuda":        # the guard's condition stays on the GPU (onnxgrad.optimize.guard)
-        from .optimize.guard import guard_as_where
-
-        art.train = guard_as_where(art.train, art.spec.finite)[0]
     build_s = time.perf_counter() - t0
     init_path = (out_path[:-5] if out_path.endswith(".onnx") else out_path) + ".init.npz"
     _save(art.train, out_path)

@@ -48,7 +48,6 @@ from .errors import OnnxGradError, UnknownNameError
 from .files import NO_DATA, atomic_write, runnable, save_model, stripped
 from .optim import Optimizer, from_config
 from .optimize import provider_name, target_for
-from .optimize.guard import guard_as_where
 from .recompute import ORT_DISABLED_OPTIMIZERS
 from .runtime import onnxruntime
 
@@ -186,10 +185,6 @@ class TrainingSession:
                                  defaults=False, train_mode=train_mode, keep_grads=keep_grads,
                                  strict_tags=strict_tags, split=self.world_size > 1, target=target,
                                  recompute=recompute)
-        if target == "cuda":        # the guard's condition stays on the GPU (onnxgrad.optimize.guard)
-            holder = self.artifacts.split or self.artifacts
-            name = "update" if self.artifacts.split else "train"
-            setattr(holder, name, guard_as_where(getattr(holder, name), holder.spec.finite)[0])
         self._explicit = trainable is not None
         self._class_targets = L.class_targets(self.artifacts.loss_model)   # labels checked before each run
         self._strict_tags = strict_tags

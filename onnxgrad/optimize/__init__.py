@@ -14,7 +14,8 @@ form computes (``conv_forward_patches``: the weight gradient reads the forward's
   BatchNormalization in training mode, which the CUDA kernel refuses, as standard ops
   (:mod:`onnxgrad.optimize.batch_norm`); :func:`cuda_refusals` lists what would still be refused. A
   training graph's update guard is its own rewrite (:mod:`onnxgrad.optimize.guard`, applied by
-  ``TrainingSession`` and ``--optimize-for cuda``): the guard is built after the gradient.
+  ``artifacts.build`` for this target, so by ``TrainingSession`` and ``--optimize-for cuda``): the guard is
+  built after the gradient.
 
 ``bench/bench_rewrites.py`` times every rewrite against the canonical form;
 ``tests/test_optimize.py`` proves each gives the canonical graph's outputs.
