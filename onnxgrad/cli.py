@@ -528,11 +528,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     import warnings
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    warnings.showwarning = _warning_line
     try:
-        if argv and argv[0] in COMMANDS and not os.path.isfile(argv[0]):
-            return COMMANDS[argv[0]](argv[1:])
-        return run_grad(_grad_parser().parse_args(argv))
+        with warnings.catch_warnings():      # one line per warning while the command runs, restored after it
+            warnings.showwarning = _warning_line
+            if argv and argv[0] in COMMANDS and not os.path.isfile(argv[0]):
+                return COMMANDS[argv[0]](argv[1:])
+            return run_grad(_grad_parser().parse_args(argv))
     except OnnxGradError as e:
         print(f"error: {_as_flags(str(e))}", file=sys.stderr)
         return 2
