@@ -181,7 +181,6 @@ def _pads_on_every_axis(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-# initializers at least this large are left out of a skeleton (data_prop reads only small ones)
 def _scan8_batch_kept(original: onnx.ModelProto, model: onnx.ModelProto) -> onnx.ModelProto:
     """Scan-8 runs its body once per element of a leading batch axis of every input and output; onnx's
     converter makes it a Scan-9, which has none, and strips that axis from the declared shapes: the upgraded
@@ -236,6 +235,7 @@ def _scan8_batch_kept(original: onnx.ModelProto, model: onnx.ModelProto) -> onnx
     return model
 
 
+# initializers at least this large are left out of a skeleton (data_prop reads only small ones)
 _SKELETON_THRESHOLD = 1 << 20
 
 
