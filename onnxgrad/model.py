@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from functools import lru_cache
 from typing import Iterable
@@ -669,6 +670,20 @@ def _inlined(branch: onnx.GraphProto, outputs: Iterable[str], taken: set[str]) -
         if out:
             nodes.append(helper.make_node("Identity", [env.get(vi.name, vi.name)], [out]))
     return nodes
+
+
+_FX_NODE_KEY = "pkg.torch.onnx.fx_node"           # the dynamo exporter's record of the FX node a node came from
+_EMBEDDING_CALL = re.compile(r"aten\.embedding\.default\]\(args = \(%[\w.]+, %[\w.]+, (-?\d+)")
+
+
+def torch_padding_idx(node: onnx.NodeProto) -> int | None:
+    """The ``padding_idx`` of the ``nn.Embedding`` (``aten.embedding`` call) a Gather was exported from, as the
+    dynamo exporter's node metadata records it; None without one. PyTorch gives that row no gradient."""
+    for p in node.metadata_props:
+        if p.key == _FX_NODE_KEY:
+            m = _EMBEDDING_CALL.search(p.value)
+            return int(m.group(1)) if m and int(m.group(1)) >= 0 else None
+    return None
 
 
 def subgraphs(node: onnx.NodeProto) -> list[onnx.GraphProto]:

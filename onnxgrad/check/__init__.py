@@ -446,12 +446,12 @@ def _comparable(x: np.ndarray, rows: "tuple[int, ...] | list[int]") -> np.ndarra
 
 def _padding_rows(model: onnx.ModelProto) -> dict[str, list[int]]:
     """The embedding tables PyTorch's exporter recorded a ``padding_idx`` for: {table: [row]}."""
-    from ..rules.shape import _torch_padding_idx
+    from ..model import torch_padding_idx
 
     rows: dict[str, list[int]] = {}
     for node in model.graph.node:
         if node.op_type == "Gather" and node.domain in ("", "ai.onnx"):
-            p = _torch_padding_idx(node)
+            p = torch_padding_idx(node)
             if p is not None:
                 rows.setdefault(node.input[0], []).append(p)
     return rows

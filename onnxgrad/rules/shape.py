@@ -15,14 +15,13 @@ int64 tensor ``[size]`` (:data:`onnxgrad.builder.Dim`).
 """
 from __future__ import annotations
 
-import re
 from typing import Sequence
 
 import numpy as np
-import onnx
 from onnx import TensorProto, numpy_helper
 
 from ..builder import INT64_MAX, INT64_MIN, Dim, TensorInfo, Var
+from ..model import torch_padding_idx
 from ..registry import Node, register
 
 
@@ -549,7 +548,7 @@ def gather(n: Node):
     """
     x, idx = n.inputs
     dy = n.dy
-    padding = _torch_padding_idx(n.proto)
+    padding = torch_padding_idx(n.proto)
     if padding is not None and n.attr("axis", 0) == 0 and x.rank == 2:      # an embedding table's rows
         hit = n.op.Equal(idx, n.b.const_like(np.asarray(padding), idx))
         dy = n.op.Where(n.b.unsqueeze(hit, [-1]), n.b.scalar(0.0, dy), dy)
@@ -559,19 +558,6 @@ def gather(n: Node):
     dims = n.b.dims(x)
     idx = _nonneg(n, idx, dims[axis])
     return _index_add(n, dims, axis, idx, dy, x, accumulate=not _distinct(n, idx)), None
-
-
-_FX_NODE_KEY = "pkg.torch.onnx.fx_node"
-_EMBEDDING_CALL = re.compile(r"aten\.embedding\.default\]\(args = \(%[\w.]+, %[\w.]+, (-?\d+)")
-
-
-def _torch_padding_idx(node: onnx.NodeProto) -> int | None:
-    """The ``padding_idx`` of the ``aten.embedding`` call a Gather was exported from (dynamo's metadata)."""
-    for p in node.metadata_props:
-        if p.key == _FX_NODE_KEY:
-            m = _EMBEDDING_CALL.search(p.value)
-            return int(m.group(1)) if m and int(m.group(1)) >= 0 else None
-    return None
 
 
 def _gather_grad_any_rank(n: Node, x: Var, idx: Var, axis: int, dy: Var) -> Var:
