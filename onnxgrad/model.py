@@ -305,8 +305,9 @@ def _varint(n: int) -> bytes:
     return bytes(out)
 
 
-def set_metadata(model: onnx.ModelProto, values: dict[str, str]) -> None:
-    """Set these ``metadata_props`` keys, replacing earlier values of the same keys, keeping the others."""
+def set_metadata(model: "onnx.ModelProto | onnx.TensorProto", values: dict[str, str]) -> None:
+    """Set these ``metadata_props`` keys of a model (or an initializer), replacing earlier values of the same
+    keys, keeping the others."""
     kept = [p for p in model.metadata_props if p.key not in values]
     del model.metadata_props[:]
     model.metadata_props.extend(kept)

@@ -28,6 +28,7 @@ from typing import Any, Iterator, Mapping
 
 import onnx
 
+from . import model as M
 from .errors import OnnxGradError
 from .params import FROM_TORCH_KEY, REQUIRES_GRAD_KEY
 
@@ -101,8 +102,7 @@ def from_torch(module: Any, args: Any, kwargs: Mapping[str, Any] | None = None, 
                                    "report in the exception this one chains)") from e
     model = program.model_proto
     _mark_untrained(model, module)
-    _set_meta(model.metadata_props, FROM_TORCH_KEY, torch.__version__)
-    _set_meta(model.metadata_props, TORCH_TRAINING_KEY, "true" if training else "false")
+    M.set_metadata(model, {FROM_TORCH_KEY: torch.__version__, TORCH_TRAINING_KEY: "true" if training else "false"})
     return model
 
 
@@ -197,13 +197,4 @@ def _mark_untrained(model: onnx.ModelProto, module: Any) -> None:
     frozen = {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
     for init in model.graph.initializer:
         if init.name in frozen:
-            _set_meta(init.metadata_props, REQUIRES_GRAD_KEY, "false")
-
-
-def _set_meta(props: Any, key: str, value: str) -> None:
-    for p in props:
-        if p.key == key:
-            p.value = value
-            return
-    entry = props.add()
-    entry.key, entry.value = key, value
+            M.set_metadata(init, {REQUIRES_GRAD_KEY: "false"})
