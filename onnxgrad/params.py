@@ -34,6 +34,7 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -57,8 +58,9 @@ _GENERATED = re.compile(r"^(_?val_\d+|onnx::.*|/.*|.*Constant.*|const(ant)?_?\d*
 # buffers PyTorch modules register under these names
 _BUFFER_NAMES = re.compile(r"(^|\.)(running_mean|running_var|num_batches_tracked|inv_freq|position_ids|"
                            r"cos_cached|sin_cached|_float_tensor|masked_bias)$")
-# BatchNormalization input positions that hold running statistics
+# BatchNormalization input positions that hold running statistics, and the names PyTorch gives them
 _RUNNING_STATS = {"BatchNormalization": (3, 4)}
+_BN_STATISTICS = (".running_mean", ".running_var")
 # folds that repeat elements are told by their values; above this size the check samples
 _REPEAT_CHECK_LIMIT = 1 << 22
 # named (non-generated) tensors larger than this are not read for the mask checks
@@ -228,6 +230,7 @@ class _ModelFacts:
 
     def __init__(self, model: onnx.ModelProto):
         g = model.graph
+        self.model = model
         self.meta: dict[str, dict[str, str]] = {}
         for vi in list(g.value_info) + list(g.input):
             if vi.metadata_props:
@@ -270,6 +273,24 @@ class _ModelFacts:
         if node.name.startswith("/") and node.name.count("/") >= 2:
             return ".".join(node.name.split("/")[1:-1])
         return None
+
+    @cached_property
+    def held(self) -> set[str]:
+        """The PyTorch parameters and buffers the graph holds: as initializers, or folded into one."""
+        held = set()
+        for init in self.model.graph.initializer:
+            if self.kind(init.name):
+                held.add(self.torch_name(init.name))
+            held.update(self.parameter_sources(init.name))
+        return held
+
+    @cached_property
+    def folded_batch_norms(self) -> list[str]:
+        """The BatchNorm modules whose running statistics the graph signature lists but the graph does not
+        hold: the exporter folded them into the preceding convolutions (the dynamo exporter's default
+        optimize=True does, from a module in train mode too)."""
+        return sorted({t[: -len(suffix)] for t, kind in self.kinds.items() if kind == "BUFFER"
+                       for suffix in _BN_STATISTICS if t.endswith(suffix) and t not in self.held})
 
     def kind(self, name: str) -> str | None:
         """PARAMETER / BUFFER / CONSTANT_TENSOR as the exporter recorded it for this tensor or PyTorch name."""
@@ -316,28 +337,6 @@ def _parse_signature(text: str) -> tuple[dict[str, str], dict[str, str]]:
     return kinds, targets
 
 
-_BN_STATISTICS = (".running_mean", ".running_var")
-
-
-def _in_graph(model: onnx.ModelProto, facts: _ModelFacts) -> set[str]:
-    """The PyTorch parameters and buffers the graph holds: as initializers, or folded into one."""
-    held = set()
-    for init in model.graph.initializer:
-        if facts.kind(init.name):
-            held.add(facts.torch_name(init.name))
-        held.update(facts.parameter_sources(init.name))
-    return held
-
-
-def _folded_batch_norms(model: onnx.ModelProto, facts: _ModelFacts) -> list[str]:
-    """The BatchNorm modules whose running statistics the graph signature lists but the graph does not hold:
-    the exporter folded them into the preceding convolutions (the dynamo exporter's default optimize=True
-    does, from a module in train mode too)."""
-    held = _in_graph(model, facts)
-    return sorted({t[: -len(suffix)] for t, kind in facts.kinds.items() if kind == "BUFFER"
-                   for suffix in _BN_STATISTICS if t.endswith(suffix) and t not in held})
-
-
 def _merged_parameters(model: onnx.ModelProto, facts: _ModelFacts) -> list[tuple[str, str, tuple, str]]:
     """Tensors the exporter merged into another initializer because their values were equal, as
     ``(name, holder, ((node, input), ...), what)``, each to get its own tensor again (:func:`restore_ties`):
@@ -366,9 +365,9 @@ def _merged_parameters(model: onnx.ModelProto, facts: _ModelFacts) -> list[tuple
                 target = base if base not in taken else f"{node.name}/{base.rpartition('.')[2]}"
                 taken.add(target)
                 merges.append((target, name, ((node.name, k),), "statistic"))
-    held = _in_graph(model, facts)
-    missing = [t for t, kind in facts.kinds.items() if kind == "PARAMETER" and t not in held and t not in inits]
-    folded = set(_folded_batch_norms(model, facts))
+    missing = [t for t, kind in facts.kinds.items() if kind == "PARAMETER" and t not in facts.held
+               and t not in inits]
+    folded = set(facts.folded_batch_norms)
     # what each initializer holds: a parameter as it is, or one folded one-to-one (a transposed weight)
     holds = {}
     for name in inits:
@@ -501,7 +500,7 @@ def _findings(model: onnx.ModelProto, facts: _ModelFacts, merges: list[tuple[str
             "the exporter folded copies of PyTorch parameters that onnxgrad cannot train as the parameter ("
             + ", ".join(f"'{p.name}' of '{p.torch_name}'" for p in copies[:4]) + (", ..." if len(copies) > 4 else "")
             + "): PyTorch trains the parameter through them, onnxgrad leaves them as exported; " + REEXPORT_HINT)))
-    folded = _folded_batch_norms(model, facts)
+    folded = facts.folded_batch_norms
     if folded:
         # the fused convolution's weight keeps the parameter's name but lost its own metadata
         weights = [i.name for i in g.initializer
@@ -524,7 +523,7 @@ def _findings(model: onnx.ModelProto, facts: _ModelFacts, merges: list[tuple[str
                 "(TorchScript: training=torch.onnx.TrainingMode.PRESERVE keeps BatchNormalization); train_mode=False "
                 "trains the folded weights with the statistics frozen"), refused_in_train_mode=True))
     split = {t for t, _, _, _ in merges}
-    unresolved = [t for t, kind in facts.kinds.items() if kind == "PARAMETER" and t not in _in_graph(model, facts)
+    unresolved = [t for t, kind in facts.kinds.items() if kind == "PARAMETER" and t not in facts.held
                   and t not in split and t.rpartition(".")[0] not in folded]
     if unresolved:
         out.append(Finding("merged", tuple(unresolved), (
