@@ -171,21 +171,13 @@ def default_exports() -> None:
     enc = Encoder()
     idx = torch.randint(0, 20, (4, 6), generator=torch.Generator().manual_seed(3))
     idx[:, -2:] = 0         # padding at the end of every sequence
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        proto = torch.onnx.export(copy.deepcopy(enc).train(), (idx,), dynamo=True, input_names=["idx"],
-                                  output_names=["logits"], verbose=False).model_proto
-    save(proto, "encoder_dynamo")
+    proto = dynamo_default(enc, idx, "idx", "encoder_dynamo")
     write("encoder_dynamo", proto, enc, {"idx": idx}, "logits", "sgd")
 
     torch.manual_seed(0)
     lm = TiedLM()
     idx = torch.randint(0, 24, (3, 5), generator=torch.Generator().manual_seed(4))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        proto = torch.onnx.export(copy.deepcopy(lm).train(), (idx,), dynamo=True, input_names=["idx"],
-                                  output_names=["logits"], verbose=False).model_proto
-    save(proto, "tied_lm_dynamo")
+    proto = dynamo_default(lm, idx, "idx", "tied_lm_dynamo")
     write("tied_lm_dynamo", proto, lm, {"idx": idx}, "logits", "adamw")
 
     cnn, inputs = E.build("cnn")
@@ -204,12 +196,18 @@ def default_exports() -> None:
             write(stem, proto, module.eval(), inputs, "y", "sgd")
 
     torch.manual_seed(0)
-    scaled = Scaled()
+    dynamo_default(Scaled(), torch.randn(2, 8), "x", "scaled_dynamo")
+
+
+def dynamo_default(module: nn.Module, x: torch.Tensor, input_name: str, stem: str) -> onnx.ModelProto:
+    """``torch.onnx.export(dynamo=True)`` with its defaults (``optimize=True``), of the module in train mode, one
+    input and the output ``logits``; saved as ``trains/<stem>.onnx``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        proto = torch.onnx.export(scaled, (torch.randn(2, 8),), dynamo=True, input_names=["x"],
+        proto = torch.onnx.export(copy.deepcopy(module).train(), (x,), dynamo=True, input_names=[input_name],
                                   output_names=["logits"], verbose=False).model_proto
-    save(proto, "scaled_dynamo")
+    save(proto, stem)
+    return proto
 
 
 def save(proto: onnx.ModelProto, stem: str) -> None:
