@@ -347,26 +347,24 @@ def run_one_forward(seed: int, symbolic: bool, allow_unused: bool = True) -> tup
 COUNT = int(os.environ.get("ONNXGRAD_PROPERTY_COUNT", "40"))
 
 
-@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
-def test_random_graphs(symbolic):
+def _run_many(run, symbolic: bool, failures: tuple[str, ...]) -> None:
+    """COUNT // 2 seeded graphs through ``run``: none of the ``failures`` kinds, and at least half of them ok."""
     tally, bad = Counter(), []
     for seed in range(COUNT // 2):
-        kind, detail = run_one(seed, symbolic)
+        kind, detail = run(seed, symbolic)
         tally[kind] += 1
-        if kind in ("wrong", "invalid"):
+        if kind in failures:
             bad.append(detail)
     assert not bad, "\n".join(bad)
     assert tally["ok"] >= COUNT // 4, tally
+
+
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
+def test_random_graphs(symbolic):
+    _run_many(run_one, symbolic, ("wrong", "invalid"))
 
 
 @pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
 def test_random_graphs_forward_mode(symbolic):
     """jvp on random graphs where outputs may depend on no direction and directions may reach no output."""
-    tally, bad = Counter(), []
-    for seed in range(COUNT // 2):
-        kind, detail = run_one_forward(seed, symbolic)
-        tally[kind] += 1
-        if kind in ("wrong", "invalid", "unused"):
-            bad.append(detail)
-    assert not bad, "\n".join(bad)
-    assert tally["ok"] >= COUNT // 4, tally
+    _run_many(run_one_forward, symbolic, ("wrong", "invalid", "unused"))
