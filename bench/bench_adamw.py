@@ -35,7 +35,7 @@ def child(reps: int) -> dict:
     import onnxruntime as ort
     from onnx import helper
 
-    import onnxgrad.artifacts as A
+    import onnxgrad.training.artifacts as A
     from onnxgrad import optim
 
     bench = B.resnet18()

@@ -29,7 +29,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad import model as M
+from onnxgrad.ir import model as M
 
 
 def chain(n_nodes: int, size: int = 4, opset: int = 17) -> onnx.ModelProto:

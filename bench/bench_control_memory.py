@@ -25,7 +25,7 @@ import onnx
 import onnx.parser
 
 import onnxgrad
-from onnxgrad.check import gradient_spec
+from onnxgrad.tools.check import gradient_spec
 
 SCAN = """
 m (float[{B},{H}] h0, float[{T},{B},{I}] xs, float[{I},{H}] W, float[{H},{H}] U) => (float[{B},{H}] h, float[{T},{B},{H}] ys) {{
@@ -55,7 +55,7 @@ m (float[{B},{H}] h0, float[{T},{B},{I}] xs, float[{I},{H}] W, float[{H},{H}] U)
 
 def _model(text: str, **dims) -> onnx.ModelProto:
     m = onnx.parser.parse_model('<ir_version: 8, opset_import: ["" : 17]>\n' + text.format(**dims))
-    m.ir_version = onnxgrad.model.emitted_ir_version(m)
+    m.ir_version = onnxgrad.ir.model.emitted_ir_version(m)
     return m
 
 

@@ -12,7 +12,7 @@ For every convolution shape of ``bench_step.py``'s ResNet-18, three runs, interl
 - ``torch``: ``conv2d`` forward and ``torch.autograd.grad`` (oneDNN on the CPU).
 
 Then each stage's batch norm in training mode followed by ReLU (y, dx, dscale, dB for a given dy): ``ours``
-(:func:`onnxgrad.train_mode.to_train_mode` then ``grad`` with the CPU rewrites) against PyTorch's
+(:func:`onnxgrad.training.train_mode.to_train_mode` then ``grad`` with the CPU rewrites) against PyTorch's
 ``batch_norm(training=True)`` and ``relu``. The totals weigh each shape by how often ResNet-18 has it. 2 intra-op threads that block when idle, as in
 ``bench_step.py``. A benchmark, not a test: it prints and asserts nothing.
 
@@ -139,7 +139,7 @@ def batch_norms(reps: int) -> None:
     import torch
 
     import onnxgrad
-    from onnxgrad.train_mode import to_train_mode
+    from onnxgrad.training.train_mode import to_train_mode
 
     print(f"\n{'batch norm (training) + ReLU':<30} {'x':>2} {'ours':>15} {'torch':>15} {'ours/torch':>10}")
     totals = {"ours": 0.0, "torch": 0.0}

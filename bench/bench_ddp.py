@@ -44,7 +44,7 @@ def worker(model: str, steps: int, engine: str, split: bool, out: str) -> None:
     import bench_step
 
     from onnxgrad import TrainingSession, optim
-    from onnxgrad import distributed as D
+    from onnxgrad.training import distributed as D
 
     inner = D.engine(engine)
 

@@ -1,4 +1,4 @@
-"""Hessian-vector products: forward over reverse (onnxgrad.funcs.hvp = jvp(grad)) against reverse over
+"""Hessian-vector products: forward over reverse (onnxgrad.passes.funcs.hvp = jvp(grad)) against reverse over
 reverse (grad(grad)), on models/mlp_dynamo.onnx and models/gpt_dynamo.onnx with an MSE loss appended.
 
 Prints, per model: graph sizes, onnxruntime run time (median of repeats, 2 threads) and the peak
@@ -28,9 +28,9 @@ def _build(stem: str, out_dir: Path) -> dict:
 
     import onnxgrad
     from onnxgrad import losses
-    from onnxgrad.check import gradient_spec
-    from onnxgrad.forward import tangent_spec
-    from onnxgrad.funcs import hvp
+    from onnxgrad.passes.forward import tangent_spec
+    from onnxgrad.passes.funcs import hvp
+    from onnxgrad.tools.check import gradient_spec
 
     with np.load(ROOT / "models" / f"{stem}.npz") as z:
         inputs = {k[6:]: z[k] for k in z.files if k.startswith("input/")}

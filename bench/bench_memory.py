@@ -21,7 +21,7 @@ Peaks are the kernel's high-water mark (``VmHWM``), reset between the phases thr
 ``--before PATH`` adds an ``onnxgrad@before`` column: the same session from the onnxgrad package under
 ``PATH`` (a checkout or ``git archive`` of another revision), for a before/after in one interleaved run.
 ``--recompute`` adds an ``onnxgrad+recompute`` column: the session with ``recompute=True``
-(:mod:`onnxgrad.recompute`: cheap activations computed again in the backward rather than kept).
+(:mod:`onnxgrad.passes.recompute`: cheap activations computed again in the backward rather than kept).
 
     PYTHONPATH=. python bench/bench_memory.py                     # all models, every framework
     PYTHONPATH=. python bench/bench_memory.py resnet18 --before /tmp/memory-before --repeats 3

@@ -37,7 +37,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad.check import gradient_spec
+from onnxgrad.tools.check import gradient_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ROOT / "models"

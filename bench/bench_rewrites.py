@@ -1,4 +1,4 @@
-"""Speed of each onnxgrad.optimize rewrite against the canonical gradient graph, in onnxruntime (CPU).
+"""Speed of each onnxgrad.passes.optimize rewrite against the canonical gradient graph, in onnxruntime (CPU).
 
 For every rewrite, a few one-node forward models at the shapes it was chosen for (ResNet-18 at
 3x112x112 batch 8, bench_step.py's CNN, an MLP's ReLU): the gradient graph with the canonical
@@ -113,7 +113,7 @@ def _time(sess, feeds) -> float:
 
 def main(argv: list[str]) -> None:
     import onnxgrad
-    from onnxgrad.optimize import optimize
+    from onnxgrad.passes.optimize import optimize
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("rewrites", nargs="*", default=list(CASES), metavar="REWRITE")

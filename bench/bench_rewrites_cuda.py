@@ -55,10 +55,10 @@ import bench_step_cuda as C  # noqa: E402
 import numpy as np  # noqa: E402
 import onnx  # noqa: E402
 
-from onnxgrad import graph as G  # noqa: E402
-from onnxgrad.builder import Builder, Var  # noqa: E402
-from onnxgrad.optimize import REWRITES  # noqa: E402
-from onnxgrad.optimize.rewriter import GraphView, Match, Rewrite, apply  # noqa: E402
+from onnxgrad.ir import graph as G  # noqa: E402
+from onnxgrad.ir.builder import Builder, Var  # noqa: E402
+from onnxgrad.passes.optimize import REWRITES  # noqa: E402
+from onnxgrad.passes.optimize.rewriter import GraphView, Match, Rewrite, apply  # noqa: E402
 
 
 # -- a candidate defined here: the strided input gradient as a Conv over zero-dilated dy ----------------

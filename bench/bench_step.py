@@ -24,7 +24,7 @@ same weights and batch, and the same step with the forward and loss through ``to
 (compiled during warm-up; ``--no-compile`` skips it), and PyTorch eager's step without ``AdamW.step``: a
 line under each model splits both steps into the update (step - gradient) and the forward and backward.
 ``--recompute`` adds the step of a
-``TrainingSession(recompute=True)`` (:mod:`onnxgrad.recompute`). Every framework runs with 2 intra-op threads
+``TrainingSession(recompute=True)`` (:mod:`onnxgrad.passes.recompute`). Every framework runs with 2 intra-op threads
 (``BENCH_THREADS``) whose idle threads block rather than spin: on shared,
 oversubscribed cores (where this was written) spinning threads stall the other
 side for whole scheduler slices and medians swing 2-10x. On a machine with free
@@ -48,6 +48,7 @@ import argparse
 import gc
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -473,18 +474,18 @@ def training_session(bench: Bench, profile: str | None = None, recompute: bool =
 def gradient_model(bench: Bench, target: str | None = "cpu") -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """The step without its update, and the weights to feed it: the loss model in training mode (batch
     norm on batch statistics, as the session trains), differentiated and rewritten for ``target``'s kernels
-    (:mod:`onnxgrad.optimize`) as TrainingSession does, with the weights as graph inputs as the session binds
+    (:mod:`onnxgrad.passes.optimize`) as TrainingSession does, with the weights as graph inputs as the session binds
     them. As initializers they would be constants that onnxruntime folds and prepacks (NCHWc convolutions,
     batch norm folded into the Conv), which no training step can have: ResNet-18's forward alone takes 37 ms
     with constant weights against 56 ms with weights as inputs."""
     import inspect
 
     import onnxgrad
-    import onnxgrad.artifacts as A
+    import onnxgrad.training.artifacts as A
 
     model = bench.loss(bench.forward)
     try:
-        from onnxgrad.train_mode import to_train_mode
+        from onnxgrad.training.train_mode import to_train_mode
     except ImportError:          # older onnxgrad versions, benchmarked for a before/after
         pass
     else:
@@ -505,7 +506,7 @@ def _time(fn: Callable[[], Any]) -> float:
 
 def measure(bench: Bench, reps: int, warmup: int, with_torch: bool, with_compile: bool = False,
             with_recompute: bool = False) -> dict:
-    import onnxgrad.artifacts as A
+    import onnxgrad.training.artifacts as A
 
     t0 = time.perf_counter()
     gm, weights = gradient_model(bench)
@@ -575,12 +576,15 @@ def _reset_peak() -> bool:
 
 
 def memory(name: str, frameworks: list[str]) -> dict[str, dict]:
-    """bench_memory.py's measurement: each framework in a fresh process, the peak RSS of building the
-    trainer and of a 20-step loop, in MB above the process with the model built."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import bench_memory
-
-    return {fw: bench_memory.run_child(name, fw, None) for fw in frameworks}
+    """bench_memory.py's measurement, run as that script (once per framework, in a fresh process): the peak
+    RSS of building the trainer and of a 20-step loop, in MB above the process with the model built."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "memory.json")
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_memory.py"),
+                        name, "--frameworks", ",".join(frameworks), "--repeats", "1", "--json", out],
+                       check=True, stdout=subprocess.DEVNULL, timeout=3600)
+        with open(out) as f:
+            return {fw: runs[0] for fw, runs in json.load(f)[name].items()}
 
 
 def profile(name: str, reps: int) -> None:

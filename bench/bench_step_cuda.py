@@ -239,7 +239,7 @@ def measure(label: str, bench: B.Bench, dev: Device, reps: int, warmup: int, com
     import onnxruntime as ort
 
     from onnxgrad import TrainingSession, optim
-    from onnxgrad.optimize import target_for
+    from onnxgrad.passes.optimize import target_for
 
     r = Result(label)
     feeds = {**bench.feeds, **bench.target}

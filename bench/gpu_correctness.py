@@ -82,7 +82,7 @@ def session(bench: B.Bench, provider_list: list[str], optimizer=None, **kw):
 @contextmanager
 def target(name: str | None):
     """Sessions built in this block rewrite their graphs for ``name`` whatever their provider (None: theirs)."""
-    import onnxgrad.training as T
+    import onnxgrad.training.session as T
 
     chosen = T.target_for
     if name is not None:
@@ -113,7 +113,7 @@ def child(args: argparse.Namespace) -> None:
         import torch  # noqa: F401   (the verdict must not depend on what the process loaded before)
     import onnxruntime as ort
 
-    from onnxgrad.training import NonFiniteError, StepReadbackError
+    from onnxgrad.training.session import NonFiniteError, StepReadbackError
 
     bench = build(args.child, args.smoke)
     options = ort.SessionOptions()

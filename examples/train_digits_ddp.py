@@ -24,7 +24,7 @@ from tqdm import tqdm
 from train_digits import mlp
 
 from onnxgrad import TrainingSession, losses, optim
-from onnxgrad.distributed import DataParallelError
+from onnxgrad.training.distributed import DataParallelError
 
 
 def main() -> None:

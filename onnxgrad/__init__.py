@@ -5,9 +5,27 @@
 """
 from __future__ import annotations
 
-__version__ = "0.1.0"
 
-from .autodiff import grad, gradient_spec
+def _rules_beside_the_package() -> None:
+    """In a source checkout the per-op rules stand beside the package, in ``rules/``, which the wheel installs
+    as ``onnxgrad.rules`` (pyproject's package-dir): import them from there under that name, as installed."""
+    import importlib.util
+    import os
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    init = os.path.join(os.path.dirname(here), "rules", "__init__.py")
+    if "onnxgrad.rules" in sys.modules or os.path.isdir(os.path.join(here, "rules")) or not os.path.isfile(init):
+        return
+    spec = importlib.util.spec_from_file_location("onnxgrad.rules", init,
+                                                  submodule_search_locations=[os.path.dirname(init)])
+    sys.modules["onnxgrad.rules"] = module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+
+_rules_beside_the_package()
+
+# isort: split
 from .errors import (
     ExportFoldedError,
     ExportWarning,
@@ -19,16 +37,20 @@ from .errors import (
     UnsupportedOpError,
     UnusedError,
 )
-from .forward import jvp
-from .funcs import hessian, hvp, jacfwd, jacobian, jacrev
-from .params import parameters
-from .registry import register as register_rule
-from .torch_export import TorchExportError, from_torch
+from .passes.autodiff import grad
+from .passes.forward import jvp
+from .passes.funcs import hessian, hvp, jacfwd, jacobian, jacrev
+from .passes.params import parameters
+from .passes.record import gradient_spec
+from .rules.registry import register as register_rule
+from .training.torch_export import TorchExportError, from_torch
+from .version import __version__
 
 # isort: split
 from . import rules  # noqa: F401,E402  (registers the built-in rules)
 
-_LAZY = {"TrainingSession": "training", "optim": None, "losses": None, "lower": "lowering"}
+_LAZY = {"TrainingSession": "training.session", "optim": "training.optim", "losses": "training.losses",
+         "lower": "tools.lowering"}
 
 
 def __getattr__(name: str):
@@ -36,8 +58,8 @@ def __getattr__(name: str):
     import importlib
 
     if name in _LAZY:
-        module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
-        return module if _LAZY[name] is None else getattr(module, name)
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        return module if _LAZY[name].endswith(f".{name}") else getattr(module, name)
     raise AttributeError(f"module 'onnxgrad' has no attribute {name!r}")
 
 

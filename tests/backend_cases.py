@@ -10,7 +10,7 @@ input. ``_expanded`` variants (the op written as its function body) are
 checked the same way, which exercises the rules of the ops in that body.
 
 Every model runs in onnxruntime, with one declared exception besides the element-type ones
-:class:`onnxgrad.check.Runner` declares itself: a case whose forward model onnxruntime cannot run (an op
+:class:`onnxgrad.tools.check.Runner` declares itself: a case whose forward model onnxruntime cannot run (an op
 it has no kernel for at the case's opset, an attribute its kernel rejects) runs in onnx.reference, and
 its outcome says so. A gradient graph onnxruntime refuses while it runs the forward is a failure.
 
@@ -30,8 +30,11 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad.builder import FLOAT_TYPES
-from onnxgrad.check import (
+from onnxgrad.ir.builder import FLOAT_TYPES
+from onnxgrad.ir.model import RUNTIME_MAX_OPSET, has_subgraph, load, opset_of
+from onnxgrad.passes.reach import differentiable_positions
+from onnxgrad.rules.registry import NON_DIFFERENTIABLE, get_rule, get_schema
+from onnxgrad.tools.check import (
     Runner,
     RuntimeRefusedError,
     as_float64,
@@ -41,9 +44,6 @@ from onnxgrad.check import (
     run_float64,
     to_float64,
 )
-from onnxgrad.graph import differentiable_positions
-from onnxgrad.model import RUNTIME_MAX_OPSET, has_subgraph, load, opset_of
-from onnxgrad.registry import NON_DIFFERENTIABLE, get_rule, get_schema
 
 # Worst relative error accepted, by the precision the gradient graph computes in.
 TOLERANCE = {"float64": 1e-5, "float32": 2e-3, "float16": 1e-2, "bfloat16": 5e-2}
@@ -119,7 +119,7 @@ def all_cases() -> tuple[BackendCase, ...]:
     return tuple(out)
 
 
-# Deprecated ops onnxgrad.model.load upgrades (onnx's version converter) to ops with a rule.
+# Deprecated ops onnxgrad.ir.model.load upgrades (onnx's version converter) to ops with a rule.
 UPGRADED = {"Scatter": "ScatterElements", "Upsample": "Resize"}
 
 

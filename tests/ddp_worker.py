@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from onnxgrad.distributed import Engine
+from onnxgrad.training.distributed import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "models" / "training"
@@ -121,7 +121,7 @@ def nonfinite(make, rank, world, dp):
 def accumulate(make, rank, world, dp, out_dir="."):
     """Two micro-batches per worker per update (data parallel) against one process on the whole batch."""
     from onnxgrad import optim
-    from onnxgrad.training import CheckpointError
+    from onnxgrad.training.session import CheckpointError
     k = 2 if dp else 1
     s = make(optimizer=optim.SGD(lr=0.1, momentum=0.9), accumulation_steps=k)
     x, y = batches()
@@ -214,7 +214,7 @@ class SumNotMean(Engine):
 
 def main(out_dir: str, engine: str) -> None:
     from onnxgrad import TrainingSession
-    from onnxgrad import distributed as D
+    from onnxgrad.training import distributed as D
 
     out_dir = Path(out_dir)
     eng = D.engine(engine)

@@ -12,7 +12,7 @@ gradient graph, and requires that
 
 Every model runs in onnxruntime. onnx.reference runs one only where that is
 declared with its reason: by the element type, automatically
-(:class:`onnxgrad.check.Runner`: float64 kernels onnxruntime lacks), or by the
+(:class:`onnxgrad.tools.check.Runner`: float64 kernels onnxruntime lacks), or by the
 case's ``reference`` field, which must name why onnxruntime cannot run the
 case's forward op (the harness checks that it indeed cannot). Which runtime ran
 each gradient graph is recorded (``RUNS``) and summed up at the end of a session.
@@ -34,7 +34,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad.check import CheckResult, Runner, RuntimeRefusedError, check, gradient_spec, run_float64
+from onnxgrad.tools.check import CheckResult, Runner, RuntimeRefusedError, check, gradient_spec, run_float64
 
 _MODULE_RNGS: dict[str, np.random.Generator] = {}
 _TEST_RNG: list[np.random.Generator] = []
@@ -104,7 +104,7 @@ def make_model(nodes, inputs, outputs, inits=(), opset: int = 17, name: str = "m
     """A model of these nodes at ``opset``, with an IR version onnxruntime loads."""
     g = helper.make_graph(nodes, name, inputs, outputs, list(inits))
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = onnxgrad.model.emitted_ir_version(m)
+    m.ir_version = onnxgrad.ir.model.emitted_ir_version(m)
     return m
 
 

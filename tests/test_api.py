@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
 from harness import make_model
-from onnxgrad.check import check, gradient_spec
+from onnxgrad.tools.check import check, gradient_spec
 
 F = TensorProto.FLOAT
 

@@ -17,9 +17,9 @@ from onnx import TensorProto, helper, numpy_helper
 import harness
 import onnxgrad
 from harness import Case, make_model, randn, run_case, run_second_order
-from onnxgrad.check import Runner, check
-from onnxgrad.coverage import coverage
-from onnxgrad.registry import NON_DIFFERENTIABLE, Rule, all_rules, beyond_tags_inputs, get_rule, get_schema
+from onnxgrad.rules.registry import NON_DIFFERENTIABLE, Rule, all_rules, beyond_tags_inputs, get_rule, get_schema
+from onnxgrad.tools.check import Runner, check
+from onnxgrad.tools.coverage import coverage
 from test_rules_attention import lin  # query, key, value (, past_state, decay, beta) of LinearAttention
 
 F32 = TensorProto.FLOAT
@@ -102,7 +102,7 @@ def test_coverage_marks_the_inputs_beyond_the_tags(capsys):
         for name in names:
             assert f"{name}:N+" in row.tags.split()
     assert rows["Resize"].beyond_tags == [] and "scales:N" in rows["Resize"].tags.split()
-    from onnxgrad.coverage import print_table
+    from onnxgrad.tools.coverage import print_table
 
     print_table()
     out = capsys.readouterr().out

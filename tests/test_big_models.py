@@ -17,8 +17,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad import files, optim
-from onnxgrad.check import check
+from onnxgrad import optim
+from onnxgrad.ir import files
+from onnxgrad.tools.check import check
 
 F = TensorProto.FLOAT
 
@@ -95,7 +96,7 @@ def test_training_session_on_an_external_data_model(tmp_path, monkeypatch, big):
     x = np.random.default_rng(2).standard_normal((3, 24)).astype(np.float32)
     first = s.step({"x": x})
     w0 = numpy_helper.to_array(m.graph.initializer[0])
-    grads = onnxgrad.check.Runner(onnxgrad.grad(m, loss="loss"))({"x": x})
+    grads = onnxgrad.tools.check.Runner(onnxgrad.grad(m, loss="loss"))({"x": x})
     np.testing.assert_allclose(s.parameters()["W"], w0 - 0.01 * grads["W_grad"], rtol=1e-4, atol=1e-6)
     assert s.step({"x": x}) < first
     out = str(tmp_path / "trained.onnx")
@@ -181,7 +182,7 @@ def test_shape_inference_reads_a_skeleton_of_a_model_with_large_weights():
     """A weight of 1 MiB or more is left out of what the checker and onnx's shape inference serialise
     (an input of its type and dims instead), so they do not copy it; the gradient keeps its data and
     every tensor's shape is found as on the whole model."""
-    from onnxgrad import model as M
+    from onnxgrad.ir import model as M
 
     m = matmul_loss_model(512, 600)                     # W: 1.2 MB
     skeleton = M.skeleton(m)

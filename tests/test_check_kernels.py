@@ -1,4 +1,4 @@
-"""The numeric check's float64 kernels (onnxgrad.check.kernels) against onnxruntime, and a failing one named."""
+"""The numeric check's float64 kernels (onnxgrad.tools.check.kernels) against onnxruntime, and a failing one named."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,7 +7,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from onnxgrad.check import ReferenceKernelError, Runner
+from onnxgrad.tools.check import ReferenceKernelError, Runner
 
 D = TensorProto.DOUBLE
 

@@ -9,9 +9,9 @@ import pytest
 
 import harness
 import onnxgrad
-import onnxgrad.registry as registry
+import onnxgrad.rules.registry as registry
 from harness import Case, case_model, randn, run_case
-from onnxgrad.check import Runner, RuntimeRefusedError, to_float64
+from onnxgrad.tools.check import Runner, RuntimeRefusedError, to_float64
 
 
 @pytest.fixture

@@ -90,7 +90,7 @@ def test_ops_command_lists_every_op():
 
 
 def test_large_models_are_saved_with_external_data(model_path, tmp_path, monkeypatch):
-    from onnxgrad import files
+    from onnxgrad.ir import files
 
     monkeypatch.setattr(files, "PROTOBUF_LIMIT", 10)          # stand-in for protobuf's 2 GB
     model = onnx.load(model_path)
@@ -110,7 +110,7 @@ def test_ops_cases_keep_stderr_clean(capfd, monkeypatch):
     import backend_cases
     import onnxruntime as ort
 
-    from onnxgrad import coverage
+    from onnxgrad.tools import coverage
 
     noisy = helper.make_model(helper.make_graph(
         [helper.make_node("Neg", ["w"], ["y"])], "g", [helper.make_tensor_value_info("w", TensorProto.FLOAT, [1])],
@@ -139,7 +139,7 @@ def test_ops_cases_without_the_test_harness_is_one_clear_error(tmp_path, monkeyp
     """An installed package has no tests/backend_cases.py: `ops --cases` says so, `ops` alone still works."""
     import sys
 
-    from onnxgrad import cli, coverage
+    from onnxgrad.tools import cli, coverage
 
     monkeypatch.delitem(sys.modules, "backend_cases", raising=False)
     monkeypatch.setattr(coverage, "BACKEND_CASES", tmp_path / "tests" / "backend_cases.py")

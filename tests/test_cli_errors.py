@@ -9,9 +9,9 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad import check as C
-from onnxgrad import cli as CLI
-from onnxgrad.model import runtime_max_opset
+from onnxgrad.ir.model import runtime_max_opset
+from onnxgrad.tools import check as C
+from onnxgrad.tools import cli as CLI
 
 F = TensorProto.FLOAT
 
@@ -105,7 +105,7 @@ def test_runtime_max_opset_is_what_onnxruntime_loads():
     import onnxruntime as ort
 
     newest = runtime_max_opset()
-    assert newest >= onnxgrad.model.RUNTIME_MAX_OPSET
+    assert newest >= onnxgrad.ir.model.RUNTIME_MAX_OPSET
     m = helper.make_model(helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "g",
                                             [helper.make_tensor_value_info("x", F, [2])],
                                             [helper.make_tensor_value_info("y", F, [2])]),
@@ -175,7 +175,7 @@ def test_optimize_for_and_recompute_reach_the_gradient_and_the_training_models(t
     import json
     from pathlib import Path
 
-    from onnxgrad.artifacts import TrainingSpec
+    from onnxgrad.training.artifacts import TrainingSpec
 
     model = tmp_path / "cnn.onnx"
     model.write_bytes((Path(__file__).resolve().parents[1] / "models" / "cnn_bn_dynamo.onnx").read_bytes())
@@ -198,7 +198,7 @@ def test_optimize_for_and_recompute_reach_the_gradient_and_the_training_models(t
         assert CLI.main([str(model), "--loss-fn", "cross_entropy", "--target", "label", "--optimizer", "sgd",
                          "--momentum", "0.9", "-o", str(tmp_path / out), *flags]) == 0
     capsys.readouterr()
-    from onnxgrad.recompute import ORT_DISABLED_OPTIMIZERS
+    from onnxgrad.passes.recompute import ORT_DISABLED_OPTIMIZERS
     rng = np.random.default_rng(0)
     batches = [{"x": rng.standard_normal((2, 3, 16, 16)).astype(np.float32),
                 "label": rng.integers(0, 5, 2).astype(np.int64)} for _ in range(3)]

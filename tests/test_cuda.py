@@ -29,7 +29,7 @@ CUDA = ["CUDAExecutionProvider", "CPUExecutionProvider"]
 def _cuda_usable() -> bool:
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return False
-    from onnxgrad.training import DeviceError
+    from onnxgrad.training.session import DeviceError
 
     try:
         return mlp(providers=CUDA).device == "cuda"
@@ -61,7 +61,7 @@ def test_cuda_training_matches_cpu():
 
 @pytest.mark.parametrize("on_nonfinite", ["raise", "skip"])
 def test_a_nan_batch_is_refused_on_cuda_with_the_weights_unchanged(on_nonfinite):
-    from onnxgrad.training import NonFiniteError, NonFiniteWarning
+    from onnxgrad.training.session import NonFiniteError, NonFiniteWarning
 
     s = mlp(providers=CUDA, on_nonfinite=on_nonfinite)
     s.step(batch(0))
@@ -86,7 +86,7 @@ CHILD = textwrap.dedent("""
     import onnxruntime as ort
     sys.path.insert(0, {tests!r})
     from test_cuda import mlp, batch, poisoned
-    from onnxgrad.training import NonFiniteError
+    from onnxgrad.training.session import NonFiniteError
     options = ort.SessionOptions()
     options.enable_profiling = {profile}
     s = mlp(providers=["CUDAExecutionProvider", "CPUExecutionProvider"], on_nonfinite={mode!r},
@@ -169,7 +169,7 @@ def test_the_default_providers_train_on_cuda_and_say_so():
 
 
 def test_an_unusable_cuda_device_raises():
-    from onnxgrad.training import DeviceError
+    from onnxgrad.training.session import DeviceError
 
     with pytest.raises(DeviceError):
         mlp(providers=[("CUDAExecutionProvider", {"device_id": 4096}), "CPUExecutionProvider"])

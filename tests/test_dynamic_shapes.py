@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
 from harness import make_model
-from onnxgrad.check import check
+from onnxgrad.tools.check import check
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
 RNG = np.random.default_rng(7)

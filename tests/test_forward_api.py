@@ -14,10 +14,10 @@ from onnx import TensorProto, helper
 import onnxgrad
 from harness import make_model, randn
 from onnxgrad import losses
-from onnxgrad.check import Runner, gradient_spec, run_float64
-from onnxgrad.cli import run_jvp
-from onnxgrad.forward import check_jvp, jvp, tangent_spec
-from onnxgrad.funcs import hessian, hvp, jacfwd, jacobian, jacobian_spec, jacrev
+from onnxgrad.passes.forward import check_jvp, jvp, tangent_spec
+from onnxgrad.passes.funcs import hessian, hvp, jacfwd, jacobian, jacobian_spec, jacrev
+from onnxgrad.tools.check import Runner, gradient_spec, run_float64
+from onnxgrad.tools.cli import run_jvp
 from test_models import EXPORTED, Exported
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -161,7 +161,7 @@ def test_cli(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "tiny.jvp.onnx" in text and "tangent output y_tangent [2, 3]" in text and "worst relative error" in text
     assert tangent_spec(onnx.load(tmp_path / "tiny.jvp.onnx"))["tangents"] == {"y": "y_tangent"}
-    import onnxgrad.cli as cli
+    import onnxgrad.tools.cli as cli
 
     assert cli.main(["jvp", str(src), "--wrt", "nope"]) == 2
     assert "error: wrt 'nope'" in capsys.readouterr().err
@@ -191,7 +191,7 @@ def test_grad_of_jvp():
     gjm = onnxgrad.grad(jm, wrt=["fc2.weight", "fc1.bias"], loss=spec["tangents"]["loss"])
     _check_graph(gjm)
     feeds[spec["tangent_inputs"]["fc1.weight"]] = randn(32, 16)
-    r = onnxgrad.check.check(jm, gjm, feeds)
+    r = onnxgrad.tools.check.check(jm, gjm, feeds)
     assert r.ok(1e-3), r.errors
 
 
@@ -225,8 +225,8 @@ def test_hvp_forward_over_reverse(stem):
         a, b = hv[hv_names[w]], hv_rr[rs["gradients"][w]]
         assert np.linalg.norm(a - b) <= 1e-4 * max(np.linalg.norm(b), 1e-6), w
     # central differences of the gradient along v (float64)
-    g64 = onnxgrad.check.to_float64(gm)
-    run = Runner(onnxgrad.check._as_inputs(g64, wrt))
+    g64 = onnxgrad.tools.check.to_float64(gm)
+    run = Runner(onnxgrad.tools.check._as_inputs(g64, wrt))
     base = {k: np.asarray(x, np.float64) if x.dtype.kind == "f" else x for k, x in feeds.items()}
     h = 1e-5
 

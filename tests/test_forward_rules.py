@@ -17,10 +17,10 @@ import pytest
 from onnx import TensorProto, helper
 
 from harness import Case, case_model, distinct, randn
-from onnxgrad.check import run_float64
-from onnxgrad.forward import check_jvp, jvp
-from onnxgrad.tangents import base as tangent_base
-from onnxgrad.tangents import get_tangent_rule
+from onnxgrad.passes.forward import check_jvp, jvp
+from onnxgrad.rules.tangents import base as tangent_base
+from onnxgrad.rules.tangents import get_tangent_rule
+from onnxgrad.tools.check import run_float64
 
 I64 = np.int64
 
@@ -258,7 +258,7 @@ def test_zero_derivative_op_gives_no_tangent():
     jm = jvp(m, ["x"])
     onnx.checker.check_model(jm, full_check=True)
     assert not any(n.name.startswith("node_0") or "Floor" in n.op_type for n in jm.graph.node[2:])
-    from onnxgrad.check import Runner
+    from onnxgrad.tools.check import Runner
 
     v = randn(3, 4)
     out = Runner(jm)({"x": randn(3, 4) * 3, "x_tangent": v})

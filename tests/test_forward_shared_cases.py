@@ -25,11 +25,11 @@ from onnx.reference.op_run import OpRun
 
 import harness
 from harness import Case, case_model
-from onnxgrad import check as C
 from onnxgrad.errors import UnsupportedOpError
-from onnxgrad.forward import check_jvp, jvp
-from onnxgrad.registry import get_rule
-from onnxgrad.tangents import get_tangent_rule
+from onnxgrad.passes.forward import check_jvp, jvp
+from onnxgrad.rules.registry import get_rule
+from onnxgrad.rules.tangents import get_tangent_rule
+from onnxgrad.tools import check as C
 
 _TESTS = pathlib.Path(__file__).parent
 

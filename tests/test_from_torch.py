@@ -19,8 +19,8 @@ F = torch.nn.functional
 
 import onnxgrad  # noqa: E402
 from onnxgrad import TrainingSession, losses, optim  # noqa: E402
-from onnxgrad.params import REQUIRES_GRAD_KEY  # noqa: E402
-from onnxgrad.torch_export import FROM_TORCH_KEY, TORCH_TRAINING_KEY, TorchExportError  # noqa: E402
+from onnxgrad.passes.params import REQUIRES_GRAD_KEY  # noqa: E402
+from onnxgrad.training.torch_export import FROM_TORCH_KEY, TORCH_TRAINING_KEY, TorchExportError  # noqa: E402
 
 STEPS = 4
 RTOL = 1e-5            # float32: the relative difference of a loss, a parameter or a running statistic

@@ -1,5 +1,5 @@
 """The function-body fallback: an op without a rule whose ONNX schema has a function body is
-differentiated through that body (onnxgrad/function_body.py).
+differentiated through that body (onnxgrad/passes/function_body.py).
 
 Each case removes the op's hand-written rule (``registry.override(op, None)``) and checks the
 gradient the fallback builds against float64 central differences, exactly as the rule's own
@@ -12,10 +12,10 @@ import pytest
 
 import onnxgrad
 from harness import Case, case_model, randn, run_case
-from onnxgrad import registry
-from onnxgrad.coverage import coverage
 from onnxgrad.errors import UnsupportedOpError
-from onnxgrad.graph import rule_of
+from onnxgrad.passes.reach import rule_of
+from onnxgrad.rules import registry
+from onnxgrad.tools.coverage import coverage
 
 
 def _labels(*shape: int, classes: int) -> np.ndarray:

@@ -7,7 +7,7 @@ from onnx import TensorProto, helper
 
 import onnxgrad
 from onnxgrad import losses
-from onnxgrad.check import check
+from onnxgrad.tools.check import check
 
 F = TensorProto.FLOAT
 RNG = np.random.default_rng(7)

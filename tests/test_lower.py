@@ -9,9 +9,9 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 import onnxgrad
-from onnxgrad import model as M
-from onnxgrad.cli import main as cli_main
-from onnxgrad.lowering import TRAINING_DOMAIN, lower
+from onnxgrad.ir import model as M
+from onnxgrad.tools.cli import main as cli_main
+from onnxgrad.tools.lowering import TRAINING_DOMAIN, lower
 
 F = TensorProto.FLOAT
 NODE_CASES = ["test_adagrad", "test_adagrad_multiple", "test_adam", "test_adam_multiple", "test_momentum",

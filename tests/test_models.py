@@ -19,7 +19,7 @@ from onnx import numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 import onnxgrad
-from onnxgrad.check import Runner, check, gradient_spec, random_inputs, to_float64
+from onnxgrad.tools.check import Runner, check, gradient_spec, random_inputs, to_float64
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 # every exported model is an .onnx with its .npz of PyTorch references (other .onnx files, such as
@@ -102,7 +102,7 @@ def _grad_model(ex: Exported) -> onnx.ModelProto:
 
 # -- onnx.reference, as the spec says ---------------------------------------------------------
 # The numeric checker runs float64 models in onnx.reference wherever onnxruntime has no
-# float64 kernel (Conv, LSTM, ...), with the core's corrected kernels (onnxgrad.check.kernels:
+# float64 kernel (Conv, LSTM, ...), with the core's corrected kernels (onnxgrad.tools.check.kernels:
 # Erf, Gelu, LRN, LayerNormalization, BatchNormalization-9...).
 def test_reference_kernels_follow_the_spec():
     """The kernels the numeric checks rely on, in float64, against the formulas of the spec."""
@@ -361,7 +361,7 @@ def test_light_model_numeric_check(name):
     """The image, the first (a middle) layer's and the last layer's weights, one random direction each."""
     # at opset 13, as grad() sees it: onnx.reference's Softmax-1/11 ignores the opset < 13
     # semantics (flatten to 2-D from axis), so the original opset 9 model would run wrong there
-    model = _randomized(onnxgrad.model.load(_light(name)))
+    model = _randomized(onnxgrad.ir.model.load(_light(name)))
     layers = _layers(model)
     # In the deeper models the first 224x224 conv's weight gradient sums 12k positions
     # after ~60 float32 layers: its error is ~2e-5 of its norm, which a random direction in

@@ -11,8 +11,9 @@ import onnx
 import pytest
 
 import onnxgrad
-from onnxgrad import model as M
-from onnxgrad.autodiff import _Pass, backward_nodes
+from onnxgrad.ir import model as M
+from onnxgrad.passes.autodiff import _Pass
+from onnxgrad.passes.record import backward_nodes
 
 # the exported models (each has its .npz of references); not the <stem>.grad.onnx README's first command
 # writes beside one, which is a gradient model with a naming of its own (seeds '<x>_grad_seed')

@@ -10,8 +10,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
 from onnxgrad import losses, optim
-from onnxgrad.check import check, random_inputs
-from onnxgrad.cli import main as cli_main
+from onnxgrad.tools.check import check, random_inputs
+from onnxgrad.tools.cli import main as cli_main
 
 F = TensorProto.FLOAT
 BATCH = 2

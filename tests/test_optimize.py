@@ -1,4 +1,4 @@
-"""The rewrites of onnxgrad.optimize: each one applies where its pattern and check say, gives the
+"""The rewrites of onnxgrad.passes.optimize: each one applies where its pattern and check say, gives the
 canonical gradient graph's outputs in onnxruntime, passes the full checker, and says why it declines.
 
 The canonical graphs are the ones the rule tables prove against central differences; here every
@@ -14,10 +14,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
 from harness import Case, case_model, distinct, make_model, randn
-from onnxgrad.autodiff import backward_nodes
 from onnxgrad.errors import OnnxGradError
-from onnxgrad.optimize import REWRITES, TARGETS, cuda_refusals, optimize, target_for
-from onnxgrad.optimize.rewriter import GraphView
+from onnxgrad.passes.optimize import REWRITES, TARGETS, cuda_refusals, optimize, target_for
+from onnxgrad.passes.optimize.rewriter import GraphView
+from onnxgrad.passes.record import backward_nodes
 
 
 def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -387,13 +387,13 @@ def test_targets_by_provider():
 
 def test_training_session_on_cpu_trains_the_rewritten_graph_like_the_canonical(monkeypatch):
     """TrainingSession picks the CPU rewrites by its provider; its steps match a canonical session's."""
-    import onnxgrad.training
+    import onnxgrad.training.session
     from onnxgrad import TrainingSession, optim
 
     model, feeds = _small_cnn()
     fast = TrainingSession(model, loss="loss", optimizer=optim.AdamW(lr=0.01), providers=["CPUExecutionProvider"])
     assert any("/conv_weight_grad_patches/" in n.name for n in fast.artifacts.train.graph.node)
-    monkeypatch.setattr(onnxgrad.training, "target_for", lambda providers: None)
+    monkeypatch.setattr(onnxgrad.training.session, "target_for", lambda providers: None)
     canonical = TrainingSession(model, loss="loss", optimizer=optim.AdamW(lr=0.01),
                                 providers=["CPUExecutionProvider"])
     assert not any("/conv_weight_grad_patches/" in n.name for n in canonical.artifacts.train.graph.node)
@@ -420,7 +420,7 @@ def _guarded_model(else_op: str) -> onnx.ModelProto:
 
 
 def test_guard_as_where_keeps_the_guards_values():
-    from onnxgrad.optimize.guard import guard_as_where
+    from onnxgrad.passes.optimize.guard import guard_as_where
 
     model = _guarded_model("Identity")
     rewritten, count = guard_as_where(model, "finite")
@@ -433,7 +433,7 @@ def test_guard_as_where_keeps_the_guards_values():
 
 
 def test_guard_as_where_leaves_an_if_that_is_no_guard_alone():
-    from onnxgrad.optimize.guard import guard_as_where
+    from onnxgrad.passes.optimize.guard import guard_as_where
 
     model = _guarded_model("Neg")          # the else branch computes: not "keep the old values"
     assert guard_as_where(model, "finite") == (model, 0)

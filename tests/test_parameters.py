@@ -17,9 +17,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
 from onnxgrad import TrainingSession, losses, optim
-from onnxgrad.cli import main as cli_main
 from onnxgrad.errors import OnnxGradError, UnusedError
-from onnxgrad.params import parameters, restore_ties
+from onnxgrad.passes.params import parameters, restore_ties
+from onnxgrad.tools.cli import main as cli_main
 
 MODELS = Path(__file__).resolve().parents[1] / "models"
 EXPORTED = sorted(p.stem for p in MODELS.glob("*.npz"))
@@ -42,7 +42,7 @@ def test_default_trainable_set_is_pytorchs_parameters(stem):
     assert set(report.trainable) == expected, "\n".join(report.lines())
     # grad()'s default wrt and a training session's parameters are the same set
     gm = onnxgrad.grad(model, loss=str(data["loss"]) if "loss" in data else None)
-    assert set(onnxgrad.check.gradient_spec(gm)["wrt"]) == expected
+    assert set(onnxgrad.tools.check.gradient_spec(gm)["wrt"]) == expected
     # every decision carries a reason; PyTorch names come from the exporter where it recorded them
     assert all(p.reason for p in report)
     if "dynamo" in stem and "cnn_dynamo" != stem:
@@ -329,7 +329,7 @@ def test_cli_training_artifacts_train_mode_by_default(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "train mode" in out and "running statistic" in out
     train = onnx.load(tmp_path / "cnn.train.onnx")
-    spec = onnxgrad.artifacts.TrainingSpec.of(train)
+    spec = onnxgrad.training.artifacts.TrainingSpec.of(train)
     assert spec.train_mode and set(spec.buffers) == {"bn.running_mean", "bn.running_var",
                                                      "block.bn1.running_mean", "block.bn1.running_var",
                                                      "block.bn2.running_mean", "block.bn2.running_var"}
@@ -463,7 +463,7 @@ def _bf16(a: np.ndarray) -> np.ndarray:
     (np.arange(1.0, 7.0)[np.random.default_rng(2).integers(0, 6, (16, 16))] / 4, True),  # a bf16 1-head table, gathered
 ])
 def test_folded_copies_that_repeat_elements_are_told_from_weights(values, repeats):
-    from onnxgrad.params import _repeats_elements
+    from onnxgrad.passes.params import _repeats_elements
 
     assert _repeats_elements(numpy_helper.from_array(values.astype(np.float32), "t")) == repeats
 
@@ -513,7 +513,7 @@ def _signed_zeros() -> np.ndarray:
 ])
 def test_repeat_check_of_large_tensors_decides_as_sorting_does(values, dtype, repeats):
     """The hashing shortcut (a lower bound on the distinct values) changes no decision of the exact counts."""
-    from onnxgrad.params import _repeats_elements
+    from onnxgrad.passes.params import _repeats_elements
 
     values = values.astype(dtype)
     assert _repeats_by_sorting(values) == repeats
@@ -552,7 +552,7 @@ def test_a_tensor_shared_by_a_running_statistic_and_a_weight_is_split_apart():
 def test_a_parameter_recorded_with_requires_grad_false_is_not_trained():
     """onnxgrad.from_torch marks PyTorch's frozen parameters on their initializers; the policy reads the mark
     (this test needs no torch: the mark is written by hand)."""
-    from onnxgrad.params import REQUIRES_GRAD_KEY
+    from onnxgrad.passes.params import REQUIRES_GRAD_KEY
 
     rng = np.random.default_rng(0)
     inits = [numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)

@@ -1,7 +1,7 @@
 """Property test: random small graphs over the op set, static and symbolic dims.
 
 Each graph's gradient must pass the checker, load and run in onnxruntime with its default
-optimizations, and match float64 central differences (onnxgrad.check); likewise each forward-mode
+optimizations, and match float64 central differences (onnxgrad.tools.check); likewise each forward-mode
 graph's jvp (outputs that depend on no direction, directions that reach no output). A refusal
 (UnsupportedOpError) is allowed but recorded with its reason; ``bench/property_run.py`` runs
 thousands and prints the tally. The CI count is bounded by ONNXGRAD_PROPERTY_COUNT (default 40).
@@ -18,8 +18,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad.check import check, run_float64
-from onnxgrad.forward import check_jvp
+from onnxgrad.passes.forward import check_jvp
+from onnxgrad.tools.check import check, run_float64
 
 F = TensorProto.FLOAT
 

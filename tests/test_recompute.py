@@ -1,4 +1,4 @@
-"""Recomputation (onnxgrad.recompute): the recomputing gradient and training models give the plain ones'
+"""Recomputation (onnxgrad.passes.recompute): the recomputing gradient and training models give the plain ones'
 outputs in onnxruntime, the recomputed forward tensors have no backward reader left, the clones read only
 tensors the backward keeps anyway, and nothing random or expensive is cloned.
 
@@ -15,10 +15,11 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
 from harness import make_model
-from onnxgrad import TrainingSession, artifacts, losses, optim
-from onnxgrad.autodiff import backward_nodes
-from onnxgrad.model import subgraph_inputs
-from onnxgrad.recompute import ELEMENTWISE, MAX_CLONES, ORT_DISABLED_OPTIMIZERS, recompute_activations
+from onnxgrad import TrainingSession, losses, optim
+from onnxgrad.ir.model import subgraph_inputs
+from onnxgrad.passes.recompute import ELEMENTWISE, MAX_CLONES, ORT_DISABLED_OPTIMIZERS, recompute_activations
+from onnxgrad.passes.record import backward_nodes
+from onnxgrad.training import artifacts
 
 F = TensorProto.FLOAT
 N = helper.make_node
@@ -188,7 +189,7 @@ def _clones(model: onnx.ModelProto) -> list[onnx.NodeProto]:
 
 @pytest.fixture(scope="module")
 def train_mode_gradient():
-    from onnxgrad.train_mode import to_train_mode
+    from onnxgrad.training.train_mode import to_train_mode
 
     loss = losses.CrossEntropyLoss(output="logits", target="label")
     model = to_train_mode(loss(conv_bn_relu_model())).model

@@ -4,10 +4,9 @@ import pytest
 
 import onnxgrad
 from harness import Case, case_model, randn, run_case
-from onnxgrad import registry
-from onnxgrad.builder import Builder, NameScope
 from onnxgrad.errors import UnsupportedOpError
-from onnxgrad.rules import normalization, spectral
+from onnxgrad.ir.builder import Builder, NameScope
+from onnxgrad.rules import normalization, registry, spectral
 
 
 def test_a_model_gets_the_rule_of_its_opset_range():

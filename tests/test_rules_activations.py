@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
 from harness import Case, case_model, make_model, randn, run_case, run_second_order
-from onnxgrad.check import Runner, check, to_float64
+from onnxgrad.tools.check import Runner, check, to_float64
 
 F32 = TensorProto.FLOAT
 
@@ -30,7 +30,7 @@ def off_kinks(*shape, kinks, scale=3.0, margin=0.05):
 
 
 def needs_rules(*ops):
-    missing = [op for op in ops if onnxgrad.registry.get_rule(op) is None]
+    missing = [op for op in ops if onnxgrad.rules.registry.get_rule(op) is None]
     return pytest.mark.skipif(bool(missing), reason=f"needs the rules of {', '.join(missing)} (other modules)")
 
 
@@ -202,7 +202,7 @@ def _chain(opset=17):
 def _second_order(model, wrt, of, feeds, tol=1e-4):
     """d/dwrt <v, d<u, of>/dwrt>: grad(grad(model)) checked against central differences of grad(model)."""
     g1 = onnxgrad.grad(model, wrt=wrt, of=of)
-    spec = onnxgrad.check.gradient_spec(g1)
+    spec = onnxgrad.tools.check.gradient_spec(g1)
     g2 = onnxgrad.grad(g1, wrt=wrt, of=[spec["gradients"][wrt[0]]])
     onnx.checker.check_model(g2, full_check=True)
     out_shape = [d.dim_value for d in model.graph.output[0].type.tensor_type.shape.dim]
@@ -220,8 +220,8 @@ def test_second_order_pointwise_chain():
 
 @pytest.mark.parametrize("op", ["Softmax", "LogSoftmax"])
 def test_second_order_softmax(op):
-    if onnxgrad.registry.get_rule("ReduceSum") is None:
-        pytest.skip("needs the ReduceSum rule (onnxgrad/rules/reduce.py)")
+    if onnxgrad.rules.registry.get_rule("ReduceSum") is None:
+        pytest.skip("needs the ReduceSum rule (rules/reduce.py)")
     m = make_model([helper.make_node(op, ["x"], ["p"], axis=-1), helper.make_node("Sigmoid", ["p"], ["y"])],
                [helper.make_tensor_value_info("x", F32, [2, 4])],
                [helper.make_tensor_value_info("y", F32, [2, 4])], opset=18)
@@ -233,8 +233,8 @@ def test_second_order_softmax(op):
 def test_softmax_rules_before_opset_13_coerce_to_2d(op, axis):
     """The rule's own opset < 13 branch (the pass upgrades such models, so it is driven directly here):
     at opset 11 the input is coerced to 2-D around axis (default 1), so the sums run over axis..rank-1."""
-    from onnxgrad.builder import Builder, NameScope, TensorInfo
-    from onnxgrad.registry import Node, get_rule
+    from onnxgrad.ir.builder import Builder, NameScope, TensorInfo
+    from onnxgrad.rules.registry import Node, get_rule
 
     attrs = {} if axis is None else {"axis": axis}
     fwd = helper.make_node(op, ["x"], ["y"], name="sm", **attrs)

@@ -1,7 +1,7 @@
 """Attention, RotaryEmbedding, SwiGLU and CausalConvWithState gradients, checked against central differences.
 
 The float64 forward the numeric check differentiates comes from onnx.reference
-wherever onnxruntime cannot run it faithfully (``onnxgrad.check.Runner`` decides):
+wherever onnxruntime cannot run it faithfully (``onnxgrad.tools.check.Runner`` decides):
 
 - onnxruntime's float64 Attention departs from the spec, and from its own float32
   kernel: NaN for a fully-masked query row (the spec and float32 give 0), and a
@@ -24,10 +24,10 @@ from onnx.reference import ReferenceEvaluator
 
 import harness
 import onnxgrad
-import onnxgrad.check
+import onnxgrad.tools.check
 from harness import Case, randn, run_case, run_declared
-from onnxgrad.check.kernels import linear_attention
 from onnxgrad.errors import UnsupportedOpError
+from onnxgrad.tools.check.kernels import linear_attention
 
 B, S, L, E = 2, 3, 4, 3            # batch, query length, key length, head size
 
@@ -99,7 +99,7 @@ def test_attention_qk_output(case):
     run_declared(case, keep=[0, 3])
 
 
-class _OnnxruntimeRunner(onnxgrad.check.Runner):
+class _OnnxruntimeRunner(onnxgrad.tools.check.Runner):
     """onnxruntime even for float64 Attention (its automatic declaration for onnx.reference refused)."""
 
     def __init__(self, model, runtime=None, reason=""):
@@ -108,7 +108,7 @@ class _OnnxruntimeRunner(onnxgrad.check.Runner):
 
 def test_attention_qk_output_mode0_softcap(monkeypatch):
     """Mode 0 is the raw scores, before the softcap: onnxruntime's float64 forward (onnx.reference differs)."""
-    monkeypatch.setattr(onnxgrad.check, "Runner", _OnnxruntimeRunner)
+    monkeypatch.setattr(onnxgrad.tools.check, "Runner", _OnnxruntimeRunner)
     case = Case("Attention", qkv() + [randn(B, 1, S, L)], {"qk_matmul_output_mode": 0, "softcap": 2.5},
                 opset=23, outputs=4)
     run_declared(case, keep=[0, 3])
@@ -147,7 +147,7 @@ def test_attention_only_V_needs_no_scores():
 def test_attention_bool_mask_has_no_gradient():
     model, feeds, _ = harness.case_model(Case("Attention", qkv() + [bool_mask(S, L)], opset=23, wrt=[0]))
     gm = onnxgrad.grad(model, wrt=["x0"], of=["y0"])
-    assert onnxgrad.check.check(model, gm, feeds).ok(2e-3)
+    assert onnxgrad.tools.check.check(model, gm, feeds).ok(2e-3)
 
 
 # -- RotaryEmbedding --------------------------------------------------------------------------
@@ -290,7 +290,7 @@ def test_second_order(case):
     # LinearAttention is linear in Q: dL/dQ does not depend on Q (no path, so allow_unused gives its zeros)
     ggm = onnxgrad.grad(gm, wrt=["x0", "x1"], of=["x0_grad"], allow_unused=True)
     onnx.checker.check_model(ggm, full_check=True)
-    r = onnxgrad.check.check(gm, ggm, {**feeds, "y0_grad": seed}, max_elements=40)
+    r = onnxgrad.tools.check.check(gm, ggm, {**feeds, "y0_grad": seed}, max_elements=40)
     assert r.ok(2e-3), r.errors
 
 
@@ -299,7 +299,7 @@ def test_fully_masked_rows_of_a_written_out_attention_have_finite_gradients():
     is finite and its gradient must be too (0, not 0 * NaN), equal to central differences."""
     import onnx.parser
 
-    from onnxgrad.check import check, run_float64
+    from onnxgrad.tools.check import check, run_float64
 
     model = onnx.parser.parse_model("""
         <ir_version: 8, opset_import: ["" : 18]>

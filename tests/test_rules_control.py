@@ -13,14 +13,14 @@ import pytest
 
 import onnxgrad
 from harness import rng
-from onnxgrad.check import Runner, check, gradient_spec, run_float64
+from onnxgrad.tools.check import Runner, check, gradient_spec, run_float64
 
-OPSETS = (13, onnxgrad.model.runtime_max_opset())
+OPSETS = (13, onnxgrad.ir.model.runtime_max_opset())
 
 
 def _model(text: str, opset: int) -> onnx.ModelProto:
     m = onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : {opset}]>\n' + text)
-    m.ir_version = onnxgrad.model.emitted_ir_version(m)
+    m.ir_version = onnxgrad.ir.model.emitted_ir_version(m)
     onnx.checker.check_model(m, full_check=True)
     return m
 
@@ -270,7 +270,7 @@ def test_scan8_keeps_its_batch_axis():
     feeds = {"h0": _f(2, 3), "xs": _f(2, 4, 3), "W": _f(3, 3)}
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     expected = dict(zip(["h", "ys"], session.run(None, feeds)))
-    loaded = onnxgrad.model.load(model)
+    loaded = onnxgrad.ir.model.load(model)
     assert [d.dim_value for d in loaded.graph.input[0].type.tensor_type.shape.dim] == [2, 3]
     got = Runner(loaded)(feeds)
     for name, value in expected.items():
@@ -307,7 +307,7 @@ m (bool c, float[6] x, int64[K] s) => (float[6] y) {
 
 
 def test_ops_lists_control_flow():
-    from onnxgrad.coverage import coverage
+    from onnxgrad.tools.coverage import coverage
 
     status = {row.op_type: row.status for row in coverage()}
     assert status["If"] == status["Loop"] == status["Scan"] == "rule"
@@ -335,7 +335,7 @@ def test_constant_if_is_its_taken_branch(text, rank, zero):
     """An If decided at build time: the forward is kept as given, the backward is the taken branch's VJP (no
     If), the If's outputs get the taken branch's rank, and a tensor only the other branch reads gets zeros."""
     model = _model(text, OPSETS[-1])
-    infos = onnxgrad.model.tensor_infos(onnxgrad.model.infer(model))[0]
+    infos = onnxgrad.ir.model.tensor_infos(onnxgrad.ir.model.infer(model))[0]
     assert len(infos["t"].shape) == rank and len(infos["y"].shape) == rank
     gm = onnxgrad.grad(model, wrt=["x", "w", "v"], of=["y"])
     forward = len(model.graph.node)
@@ -353,7 +353,7 @@ def test_constant_if_condition_values():
     with an initializer (a default the caller may override), is never taken as a constant: only its declared
     shape is (its Size, when every dim is a number)."""
     model = _model(IF_CONSTANT_2D, 13)
-    values = onnxgrad.model.constant_values(model)
+    values = onnxgrad.ir.model.constant_values(model)
     assert values["k"] == 1 and values["first"] and list(values["shape"]) == [1, 2, 3]
     size = next(n for n in model.graph.node if n.output[0] == "size")
     model.graph.node.remove(size)
@@ -362,5 +362,5 @@ def test_constant_if_condition_values():
         del model.graph.input[:]
         model.graph.input.extend(_model(IF_CONSTANT_2D, 13).graph.input)
         model.graph.input.append(onnx.helper.make_tensor_value_info("size", onnx.TensorProto.INT64, dims))
-        values = onnxgrad.model.constant_values(model)
+        values = onnxgrad.ir.model.constant_values(model)
         assert {"n", "is2d", "k", "first", "shape"} & set(values) == folded, dims

@@ -6,7 +6,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
 from harness import Case, distinct, make_model, randn, run_case, run_second_order
-from onnxgrad.check import Runner, check
+from onnxgrad.tools.check import Runner, check
 
 
 def away_from_zero(*shape, low=0.5, high=2.0):
@@ -243,7 +243,7 @@ def test_erf_against_float64_differences(opset):
     numeric = dy * (erf(x64 + h) - erf(x64 - h)) / (2 * h)
     got32 = Runner(gm)({"x": x, "y_grad": dy})["x_grad"]
     np.testing.assert_allclose(got32, numeric, rtol=2e-5, atol=1e-6)
-    got64 = Runner(onnxgrad.check.to_float64(gm))({"x": x64, "y_grad": dy.astype(np.float64)})["x_grad"]
+    got64 = Runner(onnxgrad.tools.check.to_float64(gm))({"x": x64, "y_grad": dy.astype(np.float64)})["x_grad"]
     # (1e-6, the harness's tol64 is 1e-5: log(2 / sqrt(pi)) is a float32 constant widened to float64)
     np.testing.assert_allclose(got64, numeric, rtol=1e-6, atol=1e-9)
 

@@ -1,8 +1,8 @@
-"""Gradient checks for convolution and pooling (onnxgrad/rules/nn.py).
+"""Gradient checks for convolution and pooling (rules/nn.py).
 
 The numeric truth is central differences of the float64 forward, run by onnxruntime where it
 has float64 kernels (MaxPool, RoiAlign, DeformConv) and by onnx.reference otherwise. Some
-onnx.reference kernels are wrong or missing for these ops; onnxgrad/check/kernels.py corrects them
+onnx.reference kernels are wrong or missing for these ops; onnxgrad/tools/check/kernels.py corrects them
 for the checker, and ``test_forward_matches_onnxruntime`` checks every case's forward
 (fixes included) against onnxruntime's float32 kernels, so the truth is what users run.
 Window configurations where onnxruntime and onnx.reference disagree (ConvTranspose with a
@@ -16,10 +16,9 @@ import pytest
 
 import onnxgrad
 from harness import Case, case_model, distinct, randn, run_case
-from onnxgrad import registry
-from onnxgrad.check import Runner, check, gradient_spec, to_float64
 from onnxgrad.errors import UnsupportedOpError
-from onnxgrad.rules import nn
+from onnxgrad.rules import nn, registry
+from onnxgrad.tools.check import Runner, check, gradient_spec, to_float64
 
 
 # -- cases ----------------------------------------------------------------------------------
@@ -212,7 +211,7 @@ CASES = [
          attrs=dict(kernel_shape=[2], strides=[2]), opset=13, id="1d"),
     # output_shape larger than the default (MaxPool of a 5x5 image): indices address the output_shape tensor,
     # as onnxruntime and PyTorch's max_unpool2d(output_size=) read them (onnx.reference and the backend
-    # case's expected data read them in the default 4x4 shape: see onnxgrad/check/kernels.py's MaxUnpool)
+    # case's expected data read them in the default 4x4 shape: see onnxgrad/tools/check/kernels.py's MaxUnpool)
     Case("MaxUnpool", [randn(1, 2, 2, 2), _indices(distinct(1, 2, 5, 5), kernel_shape=[2, 2], strides=[2, 2]),
                        np.array([1, 2, 5, 5])], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]), id="output-shape"),
     Case("LRN", [randn(2, 5, 3, 4)], attrs=dict(size=3, alpha=0.3, beta=0.75, bias=1.5), id="size3"),
@@ -460,7 +459,7 @@ def test_max_unpool_output_shape_matches_torch():
 
 
 def test_ops_names_the_max_unpool_reading(capsys):
-    from onnxgrad.coverage import print_table
+    from onnxgrad.tools.coverage import print_table
 
     print_table()
     line = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("MaxUnpool "))

@@ -1,4 +1,4 @@
-"""Gradient checks for the normalization rules (onnxgrad/rules/normalization.py)."""
+"""Gradient checks for the normalization rules (rules/normalization.py)."""
 import numpy as np
 import onnx
 import pytest
@@ -6,7 +6,7 @@ import pytest
 import harness
 import onnxgrad
 from harness import Case, randn, run_case
-from onnxgrad.check import Runner, check, run_float64
+from onnxgrad.tools.check import Runner, check, run_float64
 
 
 def _gn(groups, **attrs):
@@ -83,7 +83,7 @@ TRAINING = [
     # BatchNormalization-9 trains when its optional outputs are there (onnxruntime: batch statistics;
     # onnx.reference cannot produce those outputs, so this case runs on onnxruntime only)
     Case("BatchNormalization", _bn_inputs(3, 2, 4), {"momentum": 0.9}, opset=13, outputs=5, id="training-opset13"),
-    # momentum 0 (as onnxgrad.train_mode emits): the running outputs are the batch statistics, and the
+    # momentum 0 (as onnxgrad.training.train_mode emits): the running outputs are the batch statistics, and the
     # rule reads them instead of recomputing them
     Case("BatchNormalization", _bn_inputs(2, 2, 2, 3), {"training_mode": 1, "momentum": 0.0}, opset=15,
          outputs=3, id="training-momentum0-4d"),

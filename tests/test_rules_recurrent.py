@@ -3,7 +3,7 @@
 onnxruntime has no float64 kernels for these ops (GRU and LSTM even accept a
 float64 session and fail only when run), and onnx.reference ignores
 sequence_lens, clip and most activations. So the float64 forward the numeric
-check differentiates is ``onnxgrad.check.kernels.recurrent_reference``, a direct numpy transcription of
+check differentiates is ``onnxgrad.tools.check.kernels.recurrent_reference``, a direct numpy transcription of
 the ONNX equations with onnxruntime's conventions; every case first checks it
 against onnxruntime's float32 forward.
 """
@@ -17,10 +17,10 @@ from onnx import helper
 import harness
 import onnxgrad
 from harness import Case, randn, run_case
-from onnxgrad.check import Runner
-from onnxgrad.check.kernels import recurrent_reference
 from onnxgrad.errors import UnsupportedOpError
-from onnxgrad.registry import NON_DIFFERENTIABLE, beyond_tags_inputs, get_rule, get_schema
+from onnxgrad.rules.registry import NON_DIFFERENTIABLE, beyond_tags_inputs, get_rule, get_schema
+from onnxgrad.tools.check import Runner
+from onnxgrad.tools.check.kernels import recurrent_reference
 
 T, B, I, H = 3, 2, 3, 4          # seq, batch, input, hidden
 
@@ -163,7 +163,7 @@ def test_model_without_Y(op, inputs, attrs):
     before = Runner(model)(feeds)["y1"]
     after = Runner(gm)({**feeds, "y1_grad": np.ones_like(before)})["y1"]
     np.testing.assert_array_equal(before, after)
-    r = onnxgrad.check.check(model, gm, feeds)
+    r = onnxgrad.tools.check.check(model, gm, feeds)
     assert r.ok(case.tol32), r.errors
 
 
@@ -216,7 +216,7 @@ def test_initial_state_is_differentiated_by_default():
     gm = onnxgrad.grad(model, wrt=["x0", "x5"], of=["y0", "y1"])
     producer = {o: node for node in gm.graph.node for o in node.output}
     assert producer["x5_grad"].op_type not in ("ConstantOfShape", "Identity")
-    r = onnxgrad.check.check(model, gm, feeds)
+    r = onnxgrad.tools.check.check(model, gm, feeds)
     assert r.ok(case.tol32), r.errors
     assert np.any(r.analytic["x5"] != 0)
 
@@ -251,7 +251,7 @@ def test_unknown_batch_size():
     x.type.tensor_type.shape.dim[1].dim_param = "batch"
     gm = onnxgrad.grad(model, wrt=wrt, of=["y0", "y1"])
     onnx.checker.check_model(gm, full_check=True)
-    r = onnxgrad.check.check(model, gm, feeds)
+    r = onnxgrad.tools.check.check(model, gm, feeds)
     assert r.ok(case.tol32), r.errors
 
 
@@ -274,5 +274,5 @@ def test_second_order(case):
     seed = randn(*feeds["x0"].shape[:1], 1, *feeds["x0"].shape[1:2], H)       # dL/dY, [T, 1, B, H]
     ggm = onnxgrad.grad(gm, wrt=["x1", "x2"], of=["x0_grad"])
     onnx.checker.check_model(ggm, full_check=True)
-    r = onnxgrad.check.check(gm, ggm, {**feeds, "y0_grad": seed}, max_elements=40)
+    r = onnxgrad.tools.check.check(gm, ggm, {**feeds, "y0_grad": seed}, max_elements=40)
     assert r.ok(2e-3), r.errors

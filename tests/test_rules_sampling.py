@@ -1,4 +1,4 @@
-"""Gradient checks for the resampling rules (onnxgrad/rules/sampling.py).
+"""Gradient checks for the resampling rules (rules/sampling.py).
 
 onnxruntime has no float64 Resize and no float64 GridSample-16, so the harness
 differentiates those forwards in onnx.reference; where the reference cannot run
@@ -21,8 +21,8 @@ from onnx import helper
 import harness
 import onnxgrad
 from harness import Case, randn, run_case
-from onnxgrad.check import Runner, to_float64
 from onnxgrad.errors import UnsupportedOpError
+from onnxgrad.tools.check import Runner, to_float64
 
 
 def f32(*v):
@@ -485,7 +485,7 @@ def test_resize_sizes_from_shape_skip_unchanged_axes():
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     gm = onnxgrad.grad(model, wrt=["x"], of=["y"])
     assert sum(node.op_type == "MatMul" for node in gm.graph.node) == 2
-    assert onnxgrad.check.check(model, gm, {"x": randn(2, 5, 3, 4)}).ok(2e-3)
+    assert onnxgrad.tools.check.check(model, gm, {"x": randn(2, 5, 3, 4)}).ok(2e-3)
 
 
 def test_resize_negative_axes():

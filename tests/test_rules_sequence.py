@@ -10,8 +10,8 @@ import pytest
 
 import onnxgrad
 from harness import randn
-from onnxgrad.check import check, run_float64
 from onnxgrad.errors import NonFloatError
+from onnxgrad.tools.check import check, run_float64
 
 # (id, model text (its graph's float inputs are differentiated), feeds)
 MODELS = [

@@ -1,4 +1,4 @@
-"""Shape and data-movement rules (onnxgrad/rules/shape.py) against finite differences."""
+"""Shape and data-movement rules (rules/shape.py) against finite differences."""
 import numpy as np
 import onnx
 import pytest
@@ -7,7 +7,7 @@ from onnx import helper
 import harness
 import onnxgrad
 from harness import Case, case_model, distinct, float_outputs, randn, run_case
-from onnxgrad.check import Runner, gradient_spec
+from onnxgrad.tools.check import Runner, gradient_spec
 
 
 def i64(*values):
@@ -391,7 +391,7 @@ def _rank_unknown_model(node: onnx.NodeProto, extra: list, out_shapes: list, ops
                for o, shape in zip(node.output, out_shapes)]
     graph = helper.make_graph([helper.make_node("Reshape", ["x", "s"], ["r"]), node], "g", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = onnxgrad.model.emitted_ir_version(model)
+    model.ir_version = onnxgrad.ir.model.emitted_ir_version(model)
     feeds = {"x": randn(2, 3), "s": i64(2, 3), **dict(extra)}
     return model, feeds, ["x"] + [name for name, _ in extra]
 
@@ -408,6 +408,6 @@ def test_unknown_rank(node, extra, out_shapes):
     if node.op_type == "Slice":   # r[:, ::-2] with all bounds constant
         model.graph.initializer.extend(onnx.numpy_helper.from_array(v, k) for k, v in
                                        dict(b=i64(-1), e=i64(-BIG), a=i64(-1), t=i64(-2)).items())
-    r = [vi for vi in onnxgrad.model.infer(model).graph.value_info if vi.name == "r"]
+    r = [vi for vi in onnxgrad.ir.model.infer(model).graph.value_info if vi.name == "r"]
     assert not r or not r[0].type.tensor_type.HasField("shape")   # r's rank is unknown
     _check(model, feeds, wrt, of=[o.name for o in model.graph.output])

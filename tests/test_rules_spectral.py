@@ -1,4 +1,4 @@
-"""Gradient checks for the Fourier transforms (onnxgrad/rules/spectral.py).
+"""Gradient checks for the Fourier transforms (rules/spectral.py).
 
 DFT's input and STFT's signal and window are tagged NonDifferentiable, but
 torch.fft and torch.stft differentiate them: checked against central
@@ -12,7 +12,7 @@ import pytest
 import harness
 import onnxgrad
 from harness import Case, randn, run_case
-from onnxgrad.check import Runner
+from onnxgrad.tools.check import Runner
 
 
 def i64(v):

@@ -7,8 +7,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
 from harness import make_model, randn
-from onnxgrad.check import Runner, check
-from onnxgrad.registry import DIFFERENTIABLE, all_rules, get_schema
+from onnxgrad.rules.registry import DIFFERENTIABLE, all_rules, get_schema
+from onnxgrad.tools.check import Runner, check
 
 F32 = TensorProto.FLOAT
 
@@ -21,7 +21,7 @@ def _vi(name, shape, dtype=F32):
     return helper.make_tensor_value_info(name, dtype, shape)
 
 
-# The stop entries of onnxgrad/rules/stop.py.
+# The stop entries of rules/stop.py.
 STOPS = ["Floor", "Ceil", "Round", "Sign", "Hardmax", "ArgMax", "ArgMin", "NonZero", "IsNaN", "IsInf",
          "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Not", "And", "Or", "Xor",
          "BitShift", "BitwiseAnd", "BitwiseOr", "BitwiseXor", "BitwiseNot", "Shape", "Size", "Constant",
@@ -116,8 +116,8 @@ def test_shape_dependent_values_keep_the_data_path():
     np.testing.assert_allclose(r.analytic["x"], r.numeric["x"], rtol=1e-5)
 
 
-@pytest.mark.skipif(any(onnxgrad.registry.get_rule(op) is None for op in ("Reshape",)),
-                    reason="needs the Reshape rule (onnxgrad/rules/shape.py)")
+@pytest.mark.skipif(any(onnxgrad.rules.registry.get_rule(op) is None for op in ("Reshape",)),
+                    reason="needs the Reshape rule (rules/shape.py)")
 def test_shape_dependent_reshape_differentiates_the_data_path():
     """Reshape(x, Concat(Shape(x)[:1], [-1])) * w: the shape computation stops, the data flows."""
     x, w = randn(2, 3, 2), randn(6)

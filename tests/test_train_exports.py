@@ -14,7 +14,7 @@ import pytest
 
 import onnxgrad
 from onnxgrad import TrainingSession, losses, optim
-from onnxgrad.cli import main as cli_main
+from onnxgrad.tools.cli import main as cli_main
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 TRAINS = MODELS / "trains"
@@ -189,7 +189,7 @@ def test_embedding_padding_row_gets_no_gradient_as_in_pytorch():
     """nn.Embedding(padding_idx=0) exports as a plain Gather; the dynamo exporter's node metadata records the
     aten.embedding call, and the Gather rule gives row 0 no gradient, as PyTorch does (the trajectory test
     above fails without it). The numeric check compares every other row against central differences."""
-    from onnxgrad.check import check, random_inputs
+    from onnxgrad.tools.check import check, random_inputs
 
     model = onnx.load(str(TRAINS / "encoder_dynamo.onnx"))
     gm = onnxgrad.grad(model, wrt=["emb.weight"], of=["logits"])

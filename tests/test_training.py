@@ -16,9 +16,10 @@ from onnx import TensorProto, numpy_helper
 
 import onnxgrad
 from mlp_batches import DATA, assert_unchanged, batch, poisoned
-from onnxgrad import TrainingSession, artifacts, losses, optim
-from onnxgrad.cli import main as cli_main
-from onnxgrad.training import CheckpointMismatchError, CorruptCheckpointError, NonFiniteError, NonFiniteWarning
+from onnxgrad import TrainingSession, losses, optim
+from onnxgrad.tools.cli import main as cli_main
+from onnxgrad.training import artifacts
+from onnxgrad.training.session import CheckpointMismatchError, CorruptCheckpointError, NonFiniteError, NonFiniteWarning
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "models" / "training"

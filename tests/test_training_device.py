@@ -12,12 +12,12 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-import onnxgrad.training as T
+import onnxgrad.training.session as T
 from mlp_batches import DATA, assert_unchanged, batch, poisoned
 from onnxgrad import OnnxGradError, TrainingSession, losses, optim
-from onnxgrad.cli import main as cli_main
-from onnxgrad.optimize import cuda_refusals, provider_name
-from onnxgrad.training import DeviceError, DeviceFallbackWarning, NonFiniteError, StepReadbackError
+from onnxgrad.passes.optimize import cuda_refusals, provider_name
+from onnxgrad.tools.cli import main as cli_main
+from onnxgrad.training.session import DeviceError, DeviceFallbackWarning, NonFiniteError, StepReadbackError
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"

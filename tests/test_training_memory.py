@@ -9,8 +9,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from onnxgrad import TrainingSession, artifacts, losses, optim
-from onnxgrad.files import is_held
+from onnxgrad import TrainingSession, losses, optim
+from onnxgrad.ir.files import is_held
+from onnxgrad.training import artifacts
 from test_training import batch, ce, mlp_model, poisoned, run_guarded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -314,7 +315,7 @@ def test_a_session_holds_its_weights_once_and_few_update_temporaries():
 
 
 def test_a_placeholder_of_a_held_value_is_never_saved(tmp_path):
-    from onnxgrad.files import HELD, save_model, stripped
+    from onnxgrad.ir.files import HELD, save_model, stripped
 
     model = stripped(mlp_model(), lambda t: HELD if t.name == "0.weight" else None)
     with pytest.raises(ValueError, match="0.weight"):

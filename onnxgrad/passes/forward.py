@@ -1,0 +1,316 @@
+"""The forward-mode pass: Jacobian-vector products as ONNX graphs.
+
+``jvp(model, wrt, of)`` adds a graph input ``<x>_tangent`` per ``wrt`` tensor (a
+direction v, x's type and shape) and a graph output ``<y>_tangent`` per ``of``
+output: J v, with J the Jacobian of the outputs with respect to all of ``wrt``.
+
+1. Mark the tensors with a differentiable path to ``of`` (:func:`onnxgrad.ir.graph.gradient_reach`).
+2. Walk the nodes in topological order: each node with a tangent reaching a
+   differentiable input gets its outputs' tangents from its tangent rule
+   (:mod:`onnxgrad.rules.tangents`), else from the transpose of its reverse rule
+   (:mod:`onnxgrad.passes.tangent_fallback`). Zero-derivative ops give no tangent.
+3. Expose ``<y>_tangent`` outputs (zeros of y's type and shape where no direction reaches y, as
+   ``torch.func.jvp``), drop tangent nodes nothing reads, stamp metadata
+   (``onnxgrad.tangent_inputs``, ``onnxgrad.rules.tangents``), which :func:`onnxgrad.grad` keeps,
+   so ``grad(jvp(m))`` and ``jvp(grad(m))`` compose.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+from typing import Mapping, Sequence
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from ..errors import NonFloatError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError
+from ..ir import graph as G
+from ..ir import model as M
+from ..ir.builder import Builder, NameScope, TensorInfo, Var, rename_tensors
+from ..rules import tangents as T
+from . import reach as R
+from .tangent_fallback import transpose_of_vjp
+
+__all__ = ["jvp", "tangent_spec", "check_jvp"]
+
+
+def jvp(
+    model: onnx.ModelProto | str | os.PathLike,
+    wrt: Sequence[str] | str,
+    of: Sequence[str] | str | None = None,
+    allow_unused: bool = True,
+    strict_tags: bool = False,
+) -> onnx.ModelProto:
+    """Append the tangent graph to ``model``: inputs ``<x>_tangent`` (v), outputs ``<y>_tangent`` (J v).
+
+    ``wrt``: graph inputs, initializers or float intermediate tensors (a direction at an
+    intermediate tensor is added to the tangent flowing into it, as ``grad`` gives the total
+    gradient there). ``of``: float outputs (default: every float output). As ``torch.func.jvp``,
+    an output no ``wrt`` tensor reaches through a differentiable path has a zero tangent (of its
+    type and shape, the shape read at run time where it is symbolic), and a direction that reaches
+    no output is ignored; ``allow_unused=False`` is the strict check: an :class:`UnusedError` for either.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _ForwardPass(M.load(model), _names(wrt), _names(of), allow_unused, strict_tags).run()
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def tangent_spec(jvp_model: onnx.ModelProto) -> dict:
+    """``{"tangent_inputs": {x: input}, "tangents": {y: output}}`` as :func:`jvp` recorded them."""
+    meta = {p.key: p.value for p in jvp_model.metadata_props}
+    return {k: json.loads(meta[f"onnxgrad.{k}"]) for k in ("tangent_inputs", "tangents")}
+
+
+def _names(x: Sequence[str] | str | None) -> list[str] | None:
+    if x is None:
+        return None
+    return [x] if isinstance(x, str) else list(x)
+
+
+class _ForwardPass:
+    def __init__(self, model: onnx.ModelProto, wrt: list[str] | None, of: list[str] | None,
+                 allow_unused: bool, strict: bool):
+        if not wrt:
+            raise UnknownNameError("jvp needs wrt: the tensors the tangent directions perturb")
+        self.model = model
+        self.strict = strict
+        self.allow_unused = allow_unused
+        self.opset = M.opset_of(model)
+        self.infos, self.types = M.tensor_infos(M.infer(model))
+        g = model.graph
+        self.nodes = list(g.node)
+        for i, node in enumerate(self.nodes):
+            if not node.name:
+                node.name = f"{node.op_type}_{i}"
+        produced = {o for node in self.nodes for o in node.output if o}
+        self.known = {i.name for i in g.input} | {i.name for i in g.initializer} | produced
+        self.of = self._of(of)
+        self.wrt = self._wrt(wrt)
+        self._positions: dict = {}
+        self.reach = R.gradient_reach(self.nodes, self.of, self.opset, self.infos, strict, self._positions)
+        self.constants = M.constant_values(model, exclude=self.wrt)
+
+    def _of(self, of: list[str] | None) -> list[str]:
+        outputs = [o.name for o in self.model.graph.output]
+        if of is None:
+            floats = [o for o in outputs if M.is_float(self.infos.get(o))]
+            if not floats:
+                raise UnknownNameError("the model has no floating-point output to differentiate")
+            return floats
+        for name in of:
+            if name not in outputs:
+                raise UnknownNameError(f"of '{name}' is not an output of the model (outputs: {', '.join(outputs)})")
+            if not M.is_float(self.infos.get(name)):
+                raise NonFloatError(f"of '{name}' is not a floating-point tensor; only float outputs have tangents")
+        return list(dict.fromkeys(of))
+
+    def _wrt(self, wrt: list[str]) -> list[str]:
+        for name in wrt:
+            if name not in self.known:
+                raise UnknownNameError(f"wrt '{name}' is not a graph input, initializer or node output of the model")
+            if not M.is_float(self.infos.get(name)):
+                dtype = helper.tensor_dtype_to_string(self.infos[name].dtype)
+                raise NonFloatError(f"wrt '{name}' is a {dtype} tensor; only float tensors have tangents")
+        return list(dict.fromkeys(wrt))
+
+    def run(self) -> onnx.ModelProto:
+        for name in self.wrt:
+            if name not in self.reach and not self.allow_unused:
+                raise UnusedError(f"wrt '{name}' does not influence the outputs {', '.join(self.of)} through a "
+                                  "differentiable path; leave allow_unused at its default (True) to ignore its "
+                                  "direction")
+        g = self.model.graph
+        taken = self.known | {o.name for o in g.output} | {n.name for n in self.nodes}
+        self.names = NameScope(taken)
+        root = Builder(self.opset, self.names, self.infos, "onnxgrad", "", self.constants)
+        tangent_inputs = []
+        self.seeds: dict[str, Var] = {}
+        for name in self.wrt:
+            t = self.names.fresh(f"{name}_tangent")
+            tangent_inputs.append(self._value_info(t, name))
+            self.infos[t] = self.infos.get(name) or TensorInfo()
+            self.seeds[name] = root.var(t)
+        self.tangent: dict[str, Var] = {x: v for x, v in self.seeds.items()}
+        self._walk(root)
+        outputs, renames = [], {}
+        made_here = {o for node in root.nodes for o in node.output} - set(root.shared_constants.values())
+        for y in self.of:
+            out_name = self.names.fresh(f"{y}_tangent")
+            t = self.tangent.get(y)
+            if t is None:
+                if not self.allow_unused:
+                    raise UnusedError(f"output '{y}' does not depend on {', '.join(self.wrt)} through a differentiable "
+                                      "path: its tangent is zero; leave allow_unused at its default (True) to get "
+                                      "zeros")
+                t = root.scoped(f"{y}_tangent", f"tangent of '{y}'").zeros_like(root.var(y))
+                made_here.add(t.name)
+            if t.name in made_here and t.name not in renames:
+                renames[t.name] = out_name
+            else:
+                root.nodes.append(helper.make_node("Identity", [t.name], [out_name],
+                                                   name=self.names.fresh(f"{y}_tangent/Identity")))
+            outputs.append(self._value_info(out_name, y))
+        rename_tensors(root.nodes, renames)
+        tangent_nodes = G.live_nodes(root.nodes, {o.name for o in outputs})
+        return self._assemble(tangent_nodes, tangent_inputs, outputs)
+
+    def _walk(self, root: Builder) -> None:
+        unsupported, reasons = {}, {}
+        for node in self.nodes:
+            outs = [o for o in node.output if o in self.reach and M.is_float(self.infos.get(o))]
+            if not outs:
+                continue
+            positions = R.differentiable_positions(node, self.opset, self.strict, self._positions)
+            dxs = [self.tangent.get(x) if i in positions and x else None for i, x in enumerate(node.input)]
+            inner = M.subgraph_inputs(node) & set(self.tangent) if M.has_subgraph(node) else set()
+            if all(d is None for d in dxs) and not inner:
+                continue
+            rule = R.rule_of(node, self.opset)
+            if rule is not None and rule.stop:
+                continue                        # zero (or no) derivative: no tangent flows on
+            native = T.get_tangent_rule(node.op_type) if node.domain in ("", "ai.onnx") and not inner else None
+            if native is None and rule is None:
+                unsupported.setdefault(node.op_type, node.name)
+                why = R.why_no_rule(node)
+                if why is not None:
+                    reasons[node.op_type] = why
+                continue
+            if unsupported:
+                continue                        # keep looking for every unsupported op, build nothing more
+            b = root.scoped(f"{node.name}/jvp", f"tangent of node '{node.name}' ({node.op_type})", node.op_type)
+            result = NotImplemented
+            if native is not None:
+                result = native.fn(T.TNode(node, b, dxs, positions))
+            if result is NotImplemented:
+                result = transpose_of_vjp(node, b, dxs, self.types, self.opset, self.strict)
+            self._collect(node, result, root)
+        if unsupported:
+            raise UnsupportedOpError(unsupported, reasons)
+
+    def _collect(self, node: onnx.NodeProto, result, root: Builder) -> None:
+        if result is None or isinstance(result, Var):
+            result = [result]
+        result = list(result)
+        while len(result) > len(node.output) and result[-1] is None:
+            result.pop()                        # trailing Nones for optional outputs the node leaves out
+        if len(result) > len(node.output):
+            raise RuleError(f"tangent rule for {node.op_type} returned {len(result)} tangents for "
+                            f"{len(node.output)} outputs (node '{node.name}')")
+        for y, t in zip(node.output, result):
+            if t is None or not y or not M.is_float(self.infos.get(y)):
+                continue
+            if not isinstance(t, Var):
+                raise RuleError(f"tangent rule for {node.op_type} returned {type(t).__name__} (node '{node.name}')")
+            if y in self.seeds:                 # a direction given at an intermediate tensor adds to its tangent
+                t = root.scoped(f"{y}_tangent", f"tangent of '{y}'").op.Add(t, self.seeds[y])
+            self.tangent[y] = root.var(t.name)
+
+    def _value_info(self, name: str, like: str) -> onnx.ValueInfoProto:
+        return M.value_info_like(name, like, self.types, self.infos)
+
+    def _assemble(self, tangent_nodes, tangent_inputs, outputs) -> onnx.ModelProto:
+        from ..version import __version__
+
+        out = onnx.ModelProto()
+        out.CopyFrom(self.model)
+        g = out.graph
+        del g.node[:]
+        g.node.extend(self.nodes)
+        g.node.extend(tangent_nodes)
+        g.input.extend(tangent_inputs)
+        g.output.extend(outputs)
+        meta = {
+            "onnxgrad.version": __version__,
+            "onnxgrad.tangent_inputs": json.dumps({w: v.name for w, v in zip(self.wrt, tangent_inputs)}),
+            "onnxgrad.tangents": json.dumps({y: o.name for y, o in zip(self.of, outputs)}),
+        }
+        M.set_metadata(out, meta)
+        out.ir_version = M.emitted_ir_version(out)
+        return out
+
+
+# -- the numeric check --------------------------------------------------------------------
+def check_jvp(model: onnx.ModelProto, jvp_model: onnx.ModelProto, inputs: Mapping[str, np.ndarray] | None = None,
+              *, rng: np.random.Generator | int = 0, eps: float = 1e-6,
+              run=None, reference: str = "") -> tuple[dict[str, float], dict[str, np.ndarray]]:
+    """Worst relative error of each tangent output against the central difference of the float64 forward
+    model along random directions v: (f(x + h v) - f(x - h v)) / 2h (at an intermediate tensor, h v is
+    added to the value flowing in, as jvp adds its direction to the tangent). ``run(jvp_model, feeds)``
+    evaluates the tangent graph (default: onnxruntime as it is; ``check.run_float64``: in float64).
+    ``reference``: the declared reason every run here uses onnx.reference (``check.check``'s). Returns the
+    errors and the directions used."""
+    from ..tools import check as C
+
+    rng = np.random.default_rng(rng)
+    model = M.load(model)
+    spec = tangent_spec(jvp_model)
+    wrt, of = list(spec["tangent_inputs"]), list(spec["tangents"])
+    feeds = dict(inputs) if inputs is not None else C.random_inputs(model, rng)
+    declared = {"runtime": "reference", "reason": reference} if reference else {}
+    model64 = C.to_float64(model)
+    feeds64 = C.as_float64(feeds)
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model64.graph.initializer}
+    inner = [w for w in wrt if w not in feeds64 and w not in inits]
+    base = C.Runner(C._with_outputs(model64, inner + of), **declared)(feeds64, inner + of)
+    start = {w: feeds64[w] if w in feeds64 else inits[w] if w in inits else base[w] for w in wrt}
+    dtypes = {i.name: i.type.tensor_type.elem_type for i in jvp_model.graph.input}
+    directions = {}
+    for w in wrt:
+        np_type = helper.tensor_dtype_to_np_dtype(dtypes.get(spec["tangent_inputs"][w]) or TensorProto.FLOAT)
+        directions[w] = rng.standard_normal(np.shape(start[w])).astype(np_type)
+    tfeeds = dict(feeds)
+    tfeeds.update({spec["tangent_inputs"][w]: v for w, v in directions.items()})
+    names = [spec["tangents"][y] for y in of]
+    values = C.Runner(jvp_model, **declared)(tfeeds, names) if run is None else run(jvp_model, tfeeds)
+    leaves = [w for w in wrt if w not in inner]
+    perturbable = C.Runner(_with_offsets(C._as_inputs(model64, leaves), inner), **declared)
+    h = eps * max([1.0] + [float(np.max(np.abs(s), initial=0.0)) for s in start.values()])
+
+    def at(sign: float) -> dict:
+        point = dict(feeds64)
+        point.update({w: np.asarray(start[w], np.float64) + sign * h * directions[w].astype(np.float64)
+                      for w in leaves})
+        point.update({w + _OFFSET: sign * h * directions[w].astype(np.float64) for w in inner})
+        return perturbable(point, of)
+
+    plus, minus = at(1.0), at(-1.0)
+    errors = {}
+    for y, name in zip(of, names):
+        num = (plus[y] - minus[y]) / (2 * h)
+        got = np.asarray(values[name], np.float64)
+        if got.shape != num.shape:
+            errors[y] = float("inf")
+            continue
+        scale = max(np.max(np.abs(num), initial=0.0), np.max(np.abs(got), initial=0.0), C.ABS_FLOOR)
+        errors[y] = float(np.max(np.abs(got - num), initial=0.0) / scale)
+    return errors, directions
+
+
+_OFFSET = "__onnxgrad_offset"
+
+
+def _with_offsets(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
+    """``model`` with an input ``<t>__onnxgrad_offset`` added to each intermediate tensor t where it is made:
+    its readers (outputs included) see t + offset, and whatever t depends on still moves it."""
+    if not names:
+        return model
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    g = m.graph
+    nodes = []
+    for node in g.node:
+        nodes.append(node)
+        for k, y in enumerate(node.output):
+            if y in names:
+                node.output[k] = y + "__onnxgrad_before_offset"
+                nodes.append(helper.make_node("Add", [node.output[k], y + _OFFSET], [y], name=y + _OFFSET))
+                g.input.append(helper.make_tensor_value_info(y + _OFFSET, TensorProto.DOUBLE, None))
+    del g.node[:]
+    g.node.extend(nodes)
+    return m

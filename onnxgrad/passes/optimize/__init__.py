@@ -1,0 +1,113 @@
+"""Runtime-specific rewrites of gradient graphs, chosen per execution provider.
+
+The rules of :mod:`onnxgrad.rules` emit canonical adjoints (a Conv's input gradient is a
+ConvTranspose, its weight gradient the swapped-role Conv, MaxPool's a scatter at its Indices).
+What is fastest depends on the runtime's kernels, so the measured fast paths live here as rewrite
+rules (pattern, check with a reason, replacement: see :mod:`onnxgrad.passes.optimize.rewriter`), grouped
+per target. A rewrite may also anchor on the forward, where the backward then shares what the new
+form computes (``conv_forward_patches``: the weight gradient reads the forward's patches). Targets:
+
+- ``None``: the canonical graph;
+- ``"cpu"``: onnxruntime's CPUExecutionProvider;
+- ``"cuda"``: onnxruntime's CUDAExecutionProvider (cuDNN runs the canonical convolutions natively;
+  no speed rewrite has been measured to pay there yet). Its rewrites make the graph runnable there:
+  BatchNormalization in training mode, which the CUDA kernel refuses, as standard ops
+  (:mod:`onnxgrad.passes.optimize.batch_norm`); :func:`cuda_refusals` lists what would still be refused. A
+  training graph's update guard is its own rewrite (:mod:`onnxgrad.passes.optimize.guard`, applied by
+  ``artifacts.build`` for this target, so by ``TrainingSession`` and ``--optimize-for cuda``): the guard is
+  built after the gradient.
+
+``bench/bench_rewrites.py`` times every rewrite against the canonical form;
+``tests/test_optimize.py`` proves each gives the canonical graph's outputs.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, Iterator, Sequence
+
+import onnx
+
+from ...errors import OnnxGradError
+from .batch_norm import BATCH_NORM_TRAINING_AS_OPS, BATCH_NORM_TRAINING_AS_OPS_BACKWARD
+from .conv import CONV_FORWARD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, CONV_WEIGHT_GRAD_PATCHES
+from .masks import WHERE_ZERO_AS_MUL
+from .pool import MAX_POOL_TAPS
+from .rewriter import Report, Rewrite, apply
+
+__all__ = ["REWRITES", "TARGETS", "cuda_refusals", "optimize", "provider_name", "target_for"]
+
+REWRITES: dict[str, Rewrite] = {r.name: r for r in (
+    CONV_FORWARD_PATCHES, CONV_WEIGHT_GRAD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, MAX_POOL_TAPS,
+    WHERE_ZERO_AS_MUL, BATCH_NORM_TRAINING_AS_OPS, BATCH_NORM_TRAINING_AS_OPS_BACKWARD)}
+
+TARGETS: dict[str, tuple[str, ...]] = {
+    "cpu": ("conv_forward_patches", "conv_weight_grad_patches", "conv_input_grad_col2im", "conv_input_grad_flipped",
+            "max_pool_taps", "where_zero_as_mul"),
+    "cuda": ("batch_norm_training_as_ops", "batch_norm_training_as_ops_backward"),
+}
+
+_PROVIDERS = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda"}
+
+
+def target_for(providers: Sequence[Any] | None) -> str | None:
+    """The target of onnxruntime execution providers: their first one's (names or (name, options));
+    None (canonical) for a provider without a rewrite table."""
+    if not providers:
+        return None
+    return _PROVIDERS.get(provider_name(providers[0]))
+
+
+def provider_name(provider: Any) -> str:
+    """An execution provider's name, given as a name or (name, options)."""
+    return provider[0] if isinstance(provider, (tuple, list)) else provider
+
+
+def cuda_refusals(model: onnx.ModelProto) -> list[str]:
+    """The nodes of ``model`` (subgraphs included) that onnxruntime's CUDA provider refuses to run, each as
+    "node (op): why"; empty when it runs them all. Known: BatchNormalization with ``training_mode=1`` from
+    opset 14 on (the kernel fails the session's build)."""
+    from ...ir import model as M
+
+    opset = M.opset_of(model)
+    found = []
+    for node in _nodes(model.graph):
+        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and opset >= 14 and any(
+                a.name == "training_mode" and a.i for a in node.attribute):
+            found.append(f"{node.name} (BatchNormalization): training_mode=1 at opset {opset}")
+    return found
+
+
+def _nodes(g: onnx.GraphProto) -> Iterator[onnx.NodeProto]:
+    from ...ir import model as M
+
+    for node in g.node:
+        yield node
+        for sub in M.subgraphs(node):
+            yield from _nodes(sub)
+
+
+def rewrites_for(target: str | None) -> list[Rewrite]:
+    if target is None:
+        return []
+    if target not in TARGETS:
+        raise OnnxGradError(f"unknown optimization target {target!r}: use one of "
+                            f"{', '.join(map(repr, TARGETS))} or None for the canonical graph")
+    return [REWRITES[name] for name in TARGETS[target]]
+
+
+def optimize(model: onnx.ModelProto, target: str | None, first: int = 0,
+             rewrites: Sequence[str] | None = None, copy: bool = True) -> tuple[onnx.ModelProto, Report]:
+    """``model`` with ``target``'s rewrites (or the named ``rewrites``) applied to its nodes from index
+    ``first`` on (the backward of a gradient model), and the report of what applied and what declined.
+    The applied rewrites are recorded in the model's metadata (``onnxgrad.rewrites``). ``copy=False``
+    rewrites ``model`` itself instead of a copy (:func:`onnxgrad.grad`'s own result: no weights copied)."""
+    chosen = [REWRITES[name] for name in rewrites] if rewrites is not None else rewrites_for(target)
+    out, report = apply(model, chosen, first, copy)
+    if report.applied:
+        counts: dict[str, int] = {}
+        for name, _ in report.applied:
+            counts[name] = counts.get(name, 0) + 1
+        from ...ir.model import set_metadata
+
+        set_metadata(out, {"onnxgrad.target": json.dumps(target), "onnxgrad.rewrites": json.dumps(counts)})
+    return out, report
