@@ -103,11 +103,10 @@ class _Pass:
         self.opset = parsed.opset
         self.infos, self.types = dict(parsed.infos), dict(parsed.types)   # the pass adds its own tensors'
         self.allow_unused = allow_unused
-        self._positions: dict[tuple, tuple[int, ...]] = {}
         self.nodes = parsed.nodes
         self.producer = parsed.producer
         self.known = parsed.known
-        self.objective = R.Objective(parsed, of, loss, self.strict, self._positions)
+        self.objective = R.Objective(parsed, of, loss, self.strict)
         self.loss, self.of = self.objective.loss, self.objective.of
         self.targets = self.objective.targets
         self.reach = self.objective.reach
@@ -122,11 +121,11 @@ class _Pass:
             report = parameters(self.parsed, strict_tags=self.strict, objective=self.objective)
             if any(p.tied_to or p.merged_into for p in report):   # tied copies computed, merged ones split
                 self.parsed = self.parsed.edited(restore_ties(self.model, report))
+                self.objective.on(self.parsed)
                 self.model = self.parsed.proto
                 self.nodes = self.parsed.nodes
                 self.producer = self.parsed.producer
-                self.reach = R.gradient_reach(self.nodes, self.targets, self.opset, self.infos, self.strict,
-                                              self._positions)
+                self.reach = self.objective.reach
             self.report = report
             return report.trainable
         for name in wrt:
@@ -149,11 +148,12 @@ class _Pass:
         path, unsupported, reasons = [], {}, {}
         self._outer_needed: dict[int, frozenset[str]] = {}     # If/Loop/Scan: outer reads needing gradients
         self._allowed: dict[int, tuple[int, ...]] = {}         # differentiable positions, by id(node)
+        facts = self.objective.facts
         for node in self.nodes:
-            rule = R.rule_of(node, self.opset)
-            positions = self._allowed[id(node)] = self._positions_of(node)
+            rule, positions, outer_reads, no_rule_reason = facts[id(node)]
+            self._allowed[id(node)] = positions
             needed = {i for i in positions if node.input[i] in requires}
-            inner = M.subgraph_inputs(node) & requires if M.has_subgraph(node) else set()
+            inner = outer_reads & requires
             if not needed and not inner:
                 continue
             if rule is not None and rule.stop:
@@ -167,18 +167,14 @@ class _Pass:
                     x for x in inner if M.is_float(self.infos.get(x)))
             if rule is None:
                 unsupported.setdefault(node.op_type, node.name)
-                why = R.why_no_rule(node)
-                if why is not None:
-                    reasons[node.op_type] = why
+                if no_rule_reason is not None:
+                    reasons[node.op_type] = no_rule_reason
                 continue
             path.append((node, rule, needed))
         self.requires = requires
         if unsupported:
             raise UnsupportedOpError(unsupported, reasons)
         return path
-
-    def _positions_of(self, node: onnx.NodeProto) -> tuple[int, ...]:
-        return R.differentiable_positions(node, self.opset, self.strict, self._positions)
 
     # -- 3. the backward walk -------------------------------------------------------
     def run(self) -> onnx.ModelProto:

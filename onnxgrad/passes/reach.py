@@ -17,7 +17,7 @@ forward mode and the training artifacts all ask these functions.
 """
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import onnx
 
@@ -28,7 +28,7 @@ from ..ir.parsed import ParsedModel
 from ..rules.registry import Rule, get_rule, get_schema, schema_differentiable_inputs
 from .function_body import body_rule
 
-__all__ = ["rule_of", "why_no_rule", "differentiable_positions", "gradient_reach", "Objective"]
+__all__ = ["rule_of", "why_no_rule", "differentiable_positions", "gradient_reach", "NodeFacts", "Objective"]
 
 _STANDARD = ("", "ai.onnx")
 
@@ -119,19 +119,47 @@ def gradient_reach(nodes: Sequence[onnx.NodeProto], targets: Iterable[str], opse
     return reach
 
 
+class NodeFacts(NamedTuple):
+    """What the reverse pass asks of one forward node, found once per node."""
+    rule: Rule | None                   # its gradient rule at the model's opset (:func:`rule_of`)
+    positions: tuple[int, ...]          # the inputs that can carry a gradient (:func:`differentiable_positions`)
+    outer_reads: frozenset[str]         # the outer-scope tensors its subgraphs read (If, Loop, Scan)
+    no_rule_reason: str | None          # why it has no rule, where there is a reason to give (:func:`why_no_rule`)
+
+
 class Objective:
     """What a pass differentiates in a parsed model: the ``loss`` (a scalar float output, seeded with 1) or
-    the outputs ``of`` (each seeded), checked against the model; ``targets`` (the differentiated outputs)
-    and ``reach`` (:func:`gradient_reach` of them). Neither ``loss`` nor ``of``: the single scalar float
-    output is the loss, else every float output is seeded. The reverse pass and the parameter policy ask
-    the same one."""
+    the outputs ``of`` (each seeded), checked against the model; ``targets`` (the differentiated outputs),
+    ``reach`` (:func:`gradient_reach` of them) and each node's :class:`NodeFacts` (``facts``, by ``id`` of
+    the node). Neither ``loss`` nor ``of``: the single scalar float output is the loss, else every float
+    output is seeded. The reverse pass and the parameter policy ask the same one."""
 
-    def __init__(self, parsed: ParsedModel, of: Sequence[str] | None, loss: str | None, strict: bool = False,
-                 cache: dict | None = None):
+    def __init__(self, parsed: ParsedModel, of: Sequence[str] | None, loss: str | None, strict: bool = False):
         self.parsed = parsed
+        self.strict = strict
         self.loss, self.of = self._outputs(of, loss)
         self.targets = {self.loss} if self.loss else set(self.of)
-        self.reach = gradient_reach(parsed.nodes, self.targets, parsed.opset, parsed.infos, strict, cache)
+        self.on(parsed)
+
+    def on(self, parsed: ParsedModel) -> None:
+        """Take the facts of ``parsed``: this objective's model, or an edit of it that keeps its outputs
+        (tied parameters restored)."""
+        self.parsed = parsed
+        cache: dict = {}
+        by_op: dict[tuple, tuple[Rule | None, tuple[int, ...]]] = {}
+        self.facts: dict[int, NodeFacts] = {}
+        for node in parsed.nodes:
+            nested = bool(node.attribute) and M.has_subgraph(node)
+            key = (node.domain, node.op_type, len(node.input), nested)
+            found = by_op.get(key)
+            if found is None:           # the same for every node of this op: looked up once
+                found = by_op[key] = (rule_of(node, parsed.opset),
+                                      differentiable_positions(node, parsed.opset, self.strict, cache))
+            rule, positions = found
+            self.facts[id(node)] = NodeFacts(rule, positions,
+                                             frozenset(M.subgraph_inputs(node)) if nested else frozenset(),
+                                             why_no_rule(node) if rule is None else None)
+        self.reach = gradient_reach(parsed.nodes, self.targets, parsed.opset, parsed.infos, self.strict, cache)
 
     @property
     def what(self) -> str:
