@@ -55,7 +55,7 @@ m (float[{B},{H}] h0, float[{T},{B},{I}] xs, float[{I},{H}] W, float[{H},{H}] U)
 
 def _model(text: str, **dims) -> onnx.ModelProto:
     m = onnx.parser.parse_model('<ir_version: 8, opset_import: ["" : 17]>\n' + text.format(**dims))
-    m.ir_version = onnxgrad.ir.model.emitted_ir_version(m)
+    m.ir_version = onnxgrad.ir.load.emitted_ir_version(m)
     return m
 
 

@@ -1,18 +1,25 @@
-"""The built-in gradient rules, one module per op family; importing them registers them."""
-from . import (
-    activations,  # noqa: F401
-    attention,  # noqa: F401
-    control,  # noqa: F401
-    elementwise,  # noqa: F401
-    linalg,  # noqa: F401
-    losses,  # noqa: F401
-    nn,  # noqa: F401
-    normalization,  # noqa: F401
-    recurrent,  # noqa: F401
-    reduce,  # noqa: F401
-    sampling,  # noqa: F401
-    sequence,  # noqa: F401
-    shape,  # noqa: F401
-    spectral,  # noqa: F401
-    stop,  # noqa: F401
+"""The built-in gradient rules: one module per op family, in one registry (:mod:`.registry`); importing a
+family registers its rules. Installed as ``onnxgrad.rules`` (the directory stands beside ``onnxgrad/``).
+
+A rule reads like its formula: it receives a :class:`~.registry.Node` (the forward node's tensors as
+builder Vars, the output gradients ``n.dy``/``n.dys``) and returns one gradient per input, in standard ops.
+The forward-mode tangent rules are :mod:`.tangents`. Rules import the IR (``onnxgrad.ir``) and nothing
+above it: the few that differentiate a graph of their own get the reverse pass as ``n.differentiate``.
+"""
+from . import (  # noqa: F401  (importing registers the rules)
+    activations,
+    attention,
+    control,
+    elementwise,
+    linalg,
+    losses,
+    nn,
+    normalization,
+    recurrent,
+    reduce,
+    sampling,
+    sequence,
+    shape,
+    spectral,
+    stop,
 )

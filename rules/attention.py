@@ -19,7 +19,8 @@ from __future__ import annotations
 import numpy as np
 from onnx import TensorProto
 
-from onnxgrad.ir.builder import FLOAT_TYPES, INT64_MAX, Var, total
+from onnxgrad.ir.builder import INT64_MAX, Var, total
+from onnxgrad.ir.model import FLOAT_TYPES
 
 from .registry import Node, register
 

@@ -31,7 +31,9 @@ from onnx import TensorProto, helper, numpy_helper
 
 from onnxgrad.ir import graph as G
 from onnxgrad.ir import model as M
-from onnxgrad.ir.builder import FLOAT_TYPES, Builder, NameScope, TensorInfo, Var
+from onnxgrad.ir.builder import Builder, Var
+from onnxgrad.ir.load import emitted_ir_version
+from onnxgrad.ir.model import FLOAT_TYPES, NameScope, TensorInfo
 
 from .registry import Node, register
 
@@ -229,7 +231,7 @@ def _body_model(n: Node, body: onnx.GraphProto, infos: list[TensorInfo], outer: 
             o.type.CopyFrom(vi.type)
     g = helper.make_graph(nodes, f"{n.name}_body", inputs, outputs, inits, value_info=list(body.value_info))
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", n.opset)])
-    model.ir_version = M.emitted_ir_version(model)
+    model.ir_version = emitted_ir_version(model)
     return model, outs
 
 

@@ -17,7 +17,8 @@ from typing import Sequence
 
 from onnx import TensorProto
 
-from onnxgrad.ir.builder import Var, float_bits
+from onnxgrad.ir.builder import Var
+from onnxgrad.ir.model import float_bits
 
 from .registry import Node, register
 

@@ -44,7 +44,8 @@ import onnx
 import onnx.defs
 from onnx import helper
 
-from onnxgrad.ir.builder import Builder, TensorInfo, Var
+from onnxgrad.ir.builder import Builder, Var
+from onnxgrad.ir.model import TensorInfo
 
 Gradients = Sequence["Var | None"] | "Var | None"
 

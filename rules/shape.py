@@ -20,8 +20,8 @@ from typing import Sequence
 import numpy as np
 from onnx import TensorProto, numpy_helper
 
-from onnxgrad.ir.builder import INT64_MAX, INT64_MIN, Dim, TensorInfo, Var
-from onnxgrad.ir.model import torch_padding_idx
+from onnxgrad.ir.builder import INT64_MAX, INT64_MIN, Dim, Var
+from onnxgrad.ir.model import TensorInfo, torch_padding_idx
 
 from .registry import Node, register
 

@@ -30,8 +30,8 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad.ir.builder import FLOAT_TYPES
-from onnxgrad.ir.model import RUNTIME_MAX_OPSET, has_subgraph, load, opset_of
+from onnxgrad.ir.load import RUNTIME_MAX_OPSET, load
+from onnxgrad.ir.model import FLOAT_TYPES, has_subgraph, opset_of
 from onnxgrad.passes.reach import differentiable_positions
 from onnxgrad.rules.registry import NON_DIFFERENTIABLE, get_rule, get_schema
 from onnxgrad.tools.check import (
@@ -119,7 +119,7 @@ def all_cases() -> tuple[BackendCase, ...]:
     return tuple(out)
 
 
-# Deprecated ops onnxgrad.ir.model.load upgrades (onnx's version converter) to ops with a rule.
+# Deprecated ops onnxgrad.ir.load.load upgrades (onnx's version converter) to ops with a rule.
 UPGRADED = {"Scatter": "ScatterElements", "Upsample": "Resize"}
 
 

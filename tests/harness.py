@@ -104,7 +104,7 @@ def make_model(nodes, inputs, outputs, inits=(), opset: int = 17, name: str = "m
     """A model of these nodes at ``opset``, with an IR version onnxruntime loads."""
     g = helper.make_graph(nodes, name, inputs, outputs, list(inits))
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
-    m.ir_version = onnxgrad.ir.model.emitted_ir_version(m)
+    m.ir_version = onnxgrad.ir.load.emitted_ir_version(m)
     return m
 
 

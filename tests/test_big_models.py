@@ -182,14 +182,14 @@ def test_shape_inference_reads_a_skeleton_of_a_model_with_large_weights():
     """A weight of 1 MiB or more is left out of what the checker and onnx's shape inference serialise
     (an input of its type and dims instead), so they do not copy it; the gradient keeps its data and
     every tensor's shape is found as on the whole model."""
-    from onnxgrad.ir import model as M
+    from onnxgrad.ir.files import skeleton
 
     m = matmul_loss_model(512, 600)                     # W: 1.2 MB
-    skeleton = M.skeleton(m)
-    assert [t.name for t in skeleton.graph.initializer] == ["b"]
-    assert next(i for i in skeleton.graph.input if i.name == "W").type.tensor_type.shape.dim[1].dim_value == 600
+    light = skeleton(m)
+    assert [t.name for t in light.graph.initializer] == ["b"]
+    assert next(i for i in light.graph.input if i.name == "W").type.tensor_type.shape.dim[1].dim_value == 600
     small = matmul_loss_model(24, 16)
-    assert M.skeleton(small) is small
+    assert skeleton(small) is small
     gm = onnxgrad.grad(m, loss="loss")
     weight = next(t for t in gm.graph.initializer if t.name == "W")
     np.testing.assert_array_equal(numpy_helper.to_array(weight), numpy_helper.to_array(m.graph.initializer[0]))

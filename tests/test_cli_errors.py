@@ -9,7 +9,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad.ir.model import runtime_max_opset
+from onnxgrad.ir.load import runtime_max_opset
 from onnxgrad.tools import check as C
 from onnxgrad.tools import cli as CLI
 
@@ -105,7 +105,7 @@ def test_runtime_max_opset_is_what_onnxruntime_loads():
     import onnxruntime as ort
 
     newest = runtime_max_opset()
-    assert newest >= onnxgrad.ir.model.RUNTIME_MAX_OPSET
+    assert newest >= onnxgrad.ir.load.RUNTIME_MAX_OPSET
     m = helper.make_model(helper.make_graph([helper.make_node("Neg", ["x"], ["y"])], "g",
                                             [helper.make_tensor_value_info("x", F, [2])],
                                             [helper.make_tensor_value_info("y", F, [2])]),

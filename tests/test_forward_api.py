@@ -14,9 +14,10 @@ from onnx import TensorProto, helper
 import onnxgrad
 from harness import make_model, randn
 from onnxgrad import losses
-from onnxgrad.passes.forward import check_jvp, jvp, tangent_spec
+from onnxgrad.passes.forward import jvp, tangent_spec
 from onnxgrad.passes.funcs import hessian, hvp, jacfwd, jacobian, jacobian_spec, jacrev
 from onnxgrad.tools.check import Runner, gradient_spec, run_float64
+from onnxgrad.tools.check.jvp import check_jvp
 from onnxgrad.tools.cli import run_jvp
 from test_models import EXPORTED, Exported
 

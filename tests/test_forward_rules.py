@@ -17,10 +17,11 @@ import pytest
 from onnx import TensorProto, helper
 
 from harness import Case, case_model, distinct, randn
-from onnxgrad.passes.forward import check_jvp, jvp
+from onnxgrad.passes.forward import jvp
 from onnxgrad.rules.tangents import base as tangent_base
 from onnxgrad.rules.tangents import get_tangent_rule
 from onnxgrad.tools.check import run_float64
+from onnxgrad.tools.check.jvp import check_jvp
 
 I64 = np.int64
 

@@ -26,10 +26,11 @@ from onnx.reference.op_run import OpRun
 import harness
 from harness import Case, case_model
 from onnxgrad.errors import UnsupportedOpError
-from onnxgrad.passes.forward import check_jvp, jvp
+from onnxgrad.passes.forward import jvp
 from onnxgrad.rules.registry import get_rule
 from onnxgrad.rules.tangents import get_tangent_rule
 from onnxgrad.tools import check as C
+from onnxgrad.tools.check.jvp import check_jvp
 
 _TESTS = pathlib.Path(__file__).parent
 

@@ -9,7 +9,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 
 import onnxgrad
-from onnxgrad.ir import model as M
+from onnxgrad.ir.load import MIN_OPSET, RUNTIME_MAX_IR, RUNTIME_MAX_OPSET
 from onnxgrad.tools.cli import main as cli_main
 from onnxgrad.tools.lowering import TRAINING_DOMAIN, lower
 
@@ -48,8 +48,8 @@ def assert_lowered(model):
     onnx.checker.check_model(model, full_check=True)
     assert all(n.domain in ("", "ai.onnx") for n in model.graph.node)
     assert [o.domain for o in model.opset_import] == [""]
-    assert M.MIN_OPSET <= model.opset_import[0].version <= M.RUNTIME_MAX_OPSET
-    assert model.ir_version <= M.RUNTIME_MAX_IR
+    assert MIN_OPSET <= model.opset_import[0].version <= RUNTIME_MAX_OPSET
+    assert model.ir_version <= RUNTIME_MAX_IR
 
 
 @pytest.mark.parametrize("name", NODE_CASES + MODEL_CASES)
@@ -201,8 +201,8 @@ def test_gradient_with_an_initializer_and_a_newer_opset_than_the_runtime_loads()
 
 def test_old_opset_is_upgraded():
     case = CASES["test_gradient_of_add_and_mul"]
-    assert case.model.opset_import[0].version < M.MIN_OPSET
-    assert lower(case.model).opset_import[0].version == M.MIN_OPSET
+    assert case.model.opset_import[0].version < MIN_OPSET
+    assert lower(case.model).opset_import[0].version == MIN_OPSET
 
 
 def test_errors():

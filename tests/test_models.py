@@ -361,7 +361,7 @@ def test_light_model_numeric_check(name):
     """The image, the first (a middle) layer's and the last layer's weights, one random direction each."""
     # at opset 13, as grad() sees it: onnx.reference's Softmax-1/11 ignores the opset < 13
     # semantics (flatten to 2-D from axis), so the original opset 9 model would run wrong there
-    model = _randomized(onnxgrad.ir.model.load(_light(name)))
+    model = _randomized(onnxgrad.ir.load.load(_light(name)))
     layers = _layers(model)
     # In the deeper models the first 224x224 conv's weight gradient sums 12k positions
     # after ~60 float32 layers: its error is ~2e-5 of its norm, which a random direction in

@@ -11,7 +11,7 @@ import onnx
 import pytest
 
 import onnxgrad
-from onnxgrad.ir import model as M
+from onnxgrad.ir.load import load
 from onnxgrad.passes.autodiff import _Pass
 from onnxgrad.passes.record import backward_nodes
 
@@ -22,7 +22,7 @@ IDS = [p.stem for p in MODELS]
 
 
 def _build(path, **kw):
-    p = _Pass(M.load(str(path)), None, None, None, False, **kw)
+    p = _Pass(load(str(path)), None, None, None, False, **kw)
     return p, p.run()
 
 
@@ -156,7 +156,7 @@ def test_grouped_view_computes_the_same(name):
     for a, b in zip(s1.run(None, feeds), s2.run(None, feeds)):
         np.testing.assert_array_equal(a, b)
     # a grouped model loads as its flat self (onnxgrad inlines local functions), for second derivatives
-    assert not M.load(grouped).functions and len(M.load(grouped).graph.node) >= forward
+    assert not load(grouped).functions and len(load(grouped).graph.node) >= forward
 
 
 def _runtime_shapes(gm: onnx.ModelProto, dim: int) -> dict[str, tuple[int, ...]]:

@@ -18,8 +18,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import onnxgrad
-from onnxgrad.passes.forward import check_jvp
 from onnxgrad.tools.check import check, run_float64
+from onnxgrad.tools.check.jvp import check_jvp
 
 F = TensorProto.FLOAT
 

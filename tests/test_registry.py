@@ -5,7 +5,8 @@ import pytest
 import onnxgrad
 from harness import Case, case_model, randn, run_case
 from onnxgrad.errors import UnsupportedOpError
-from onnxgrad.ir.builder import Builder, NameScope
+from onnxgrad.ir.builder import Builder
+from onnxgrad.ir.model import NameScope
 from onnxgrad.rules import normalization, registry, spectral
 
 

@@ -233,7 +233,8 @@ def test_second_order_softmax(op):
 def test_softmax_rules_before_opset_13_coerce_to_2d(op, axis):
     """The rule's own opset < 13 branch (the pass upgrades such models, so it is driven directly here):
     at opset 11 the input is coerced to 2-D around axis (default 1), so the sums run over axis..rank-1."""
-    from onnxgrad.ir.builder import Builder, NameScope, TensorInfo
+    from onnxgrad.ir.builder import Builder
+    from onnxgrad.ir.model import NameScope, TensorInfo
     from onnxgrad.rules.registry import Node, get_rule
 
     attrs = {} if axis is None else {"axis": axis}

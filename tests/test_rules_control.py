@@ -15,12 +15,12 @@ import onnxgrad
 from harness import rng
 from onnxgrad.tools.check import Runner, check, gradient_spec, run_float64
 
-OPSETS = (13, onnxgrad.ir.model.runtime_max_opset())
+OPSETS = (13, onnxgrad.ir.load.runtime_max_opset())
 
 
 def _model(text: str, opset: int) -> onnx.ModelProto:
     m = onnx.parser.parse_model(f'<ir_version: 8, opset_import: ["" : {opset}]>\n' + text)
-    m.ir_version = onnxgrad.ir.model.emitted_ir_version(m)
+    m.ir_version = onnxgrad.ir.load.emitted_ir_version(m)
     onnx.checker.check_model(m, full_check=True)
     return m
 
@@ -270,7 +270,7 @@ def test_scan8_keeps_its_batch_axis():
     feeds = {"h0": _f(2, 3), "xs": _f(2, 4, 3), "W": _f(3, 3)}
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     expected = dict(zip(["h", "ys"], session.run(None, feeds)))
-    loaded = onnxgrad.ir.model.load(model)
+    loaded = onnxgrad.ir.load.load(model)
     assert [d.dim_value for d in loaded.graph.input[0].type.tensor_type.shape.dim] == [2, 3]
     got = Runner(loaded)(feeds)
     for name, value in expected.items():

@@ -391,7 +391,7 @@ def _rank_unknown_model(node: onnx.NodeProto, extra: list, out_shapes: list, ops
                for o, shape in zip(node.output, out_shapes)]
     graph = helper.make_graph([helper.make_node("Reshape", ["x", "s"], ["r"]), node], "g", inputs, outputs)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = onnxgrad.ir.model.emitted_ir_version(model)
+    model.ir_version = onnxgrad.ir.load.emitted_ir_version(model)
     feeds = {"x": randn(2, 3), "s": i64(2, 3), **dict(extra)}
     return model, feeds, ["x"] + [name for name, _ in extra]
 

@@ -24,16 +24,7 @@ import onnx
 import onnx.defs
 from onnx import TensorProto, helper, numpy_helper
 
-FLOAT_TYPES = frozenset(
-    {TensorProto.FLOAT, TensorProto.DOUBLE, TensorProto.FLOAT16, TensorProto.BFLOAT16}
-)
-
-
-
-def float_bits(dtype: int | None) -> int:
-    """Bits of a float element type (0 when unknown: nothing is narrower)."""
-    return 8 * helper.tensor_dtype_to_np_dtype(dtype).itemsize if dtype else 0
-
+from .model import NameScope, TensorInfo, rename_tensors
 
 INT64_MAX = int(np.iinfo(np.int64).max)     # Slice's "to the end"
 INT64_MIN = int(np.iinfo(np.int64).min)     # Slice's "to the start" (negative steps)
@@ -59,20 +50,6 @@ def _same_type_inputs(op_type: str, opset: int, n_inputs: int) -> tuple[int, ...
     out_type = schema.outputs[0].type_str
     params = schema.inputs
     return tuple(i for i in range(n_inputs) if params and params[min(i, len(params) - 1)].type_str == out_type)
-
-
-class TensorInfo:
-    """What is statically known about a tensor: element type and shape (dims may be None)."""
-
-    __slots__ = ("dtype", "shape")
-
-    def __init__(self, dtype: int | None = None, shape: tuple[int | None, ...] | None = None):
-        self.dtype = dtype
-        self.shape = shape
-
-    @property
-    def static(self) -> bool:
-        return self.shape is not None and None not in self.shape
 
 
 class Var:
@@ -738,47 +715,3 @@ def shape_of_op(op: str, shapes: list, inputs: Sequence[str], attrs: dict[str, A
     if op == "Shape":
         return (len(range(len(a))[slice(attrs.get("start"), attrs.get("end"))]),)
     return None
-
-
-WITH_BODIES = frozenset({"If", "Loop", "Scan", "SequenceMap"})    # the ai.onnx ops with subgraph attributes
-
-
-def rename_tensors(nodes: list[onnx.NodeProto], renames: dict[str, str]) -> None:
-    """Rename tensors where they are made and where they are read (one sweep; subgraphs' outer reads too)."""
-    if not renames:
-        return
-    for node in nodes:
-        for k, x in enumerate(node.input):
-            if x in renames:
-                node.input[k] = renames[x]
-        for k, y in enumerate(node.output):
-            if y in renames:
-                node.output[k] = renames[y]
-        if node.op_type not in WITH_BODIES and node.domain in ("", "ai.onnx"):
-            continue
-        for a in node.attribute:            # If/Loop/Scan bodies reading the renamed tensors
-            for sg in [a.g] if a.type == onnx.AttributeProto.GRAPH else a.graphs:
-                rename_tensors(sg.node, renames)
-                for o in sg.output:
-                    if o.name in renames:
-                        o.name = renames[o.name]
-
-
-class NameScope:
-    """Hands out names unique in the model: ``fresh('x_grad')`` gives ``x_grad`` or ``x_grad_1``, ..."""
-
-    def __init__(self, taken: Iterable[str] = ()):
-        self.taken = set(taken)
-        self._next: dict[str, int] = {}
-
-    def fresh(self, base: str) -> str:
-        if base not in self.taken:
-            self.taken.add(base)
-            return base
-        i = self._next.get(base, 1)
-        while f"{base}_{i}" in self.taken:
-            i += 1
-        self._next[base] = i + 1
-        name = f"{base}_{i}"
-        self.taken.add(name)
-        return name

@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator
 
 import onnx
 import onnx.numpy_helper
+from onnx import helper
 
 # protobuf refuses to serialise a message over 2 GB: bigger models keep their tensors beside them
 PROTOBUF_LIMIT = 2_000_000_000
@@ -228,3 +229,28 @@ def save_arrays(arrays: "dict[str, Any]", path: str) -> None:
     import numpy as np
 
     atomic_write(path, lambda f: np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()}))
+
+
+# initializers at least this large are left out of a skeleton (data_prop reads only small ones)
+_SKELETON_THRESHOLD = 1 << 20
+
+
+def skeleton(model: onnx.ModelProto) -> onnx.ModelProto:
+    """For the checker and shape inference, which serialise the model (a copy in bytes, parsed into a
+    second copy, for inference serialised and parsed back) and need no large values: the model itself
+    when no initializer is large or held aside (:data:`onnxgrad.ir.files.HELD`), else a copy whose large
+    and held initializers are graph inputs of their type and dims. Over protobuf's 2 GB limit this is what
+    makes them possible at all; below it, it keeps the weights from being copied four times over
+    (ResNet-18's gradient build peaked at 7x its weights)."""
+    if not any(nbytes(t) >= _SKELETON_THRESHOLD or is_held(t) for t in model.graph.initializer):
+        return model
+    out = stripped(model, lambda t: ("", 0, 0) if nbytes(t) >= _SKELETON_THRESHOLD else None)
+    kept = [t for t in out.graph.initializer if t.data_location != onnx.TensorProto.EXTERNAL]
+    large = [t for t in out.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    inputs = {i.name for i in out.graph.input}
+    del out.graph.initializer[:]
+    out.graph.initializer.extend(kept)
+    for t in large:     # declared as inputs: their type and dims, no data (the checker wants data or a file)
+        if t.name not in inputs:
+            out.graph.input.append(helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)))
+    return out

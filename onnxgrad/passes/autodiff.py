@@ -22,8 +22,9 @@ from onnx import TensorProto, helper
 from ..errors import NonFloatError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError
 from ..ir import graph as G
 from ..ir import model as M
-from ..ir.builder import Builder, NameScope, TensorInfo, Var, rename_tensors
-from ..ir.parsed import ParsedModel
+from ..ir.builder import Builder, Var
+from ..ir.load import emitted_ir_version, parse
+from ..ir.model import NameScope, ParsedModel, TensorInfo, rename_tensors
 from ..rules.registry import Node, Rule
 from . import reach as R
 
@@ -62,7 +63,7 @@ def grad(
     enabled = gc.isenabled()
     gc.disable()
     try:
-        p = _Pass(ParsedModel.of(model), _names(wrt), _names(of), loss, allow_unused, strict_tags, group)
+        p = _Pass(parse(model), _names(wrt), _names(of), loss, allow_unused, strict_tags, group)
         out = p.run()
         if target is not None and not group:
             from .optimize import optimize
@@ -93,7 +94,7 @@ def _names(x: Sequence[str] | str | None) -> list[str] | None:
 class _Pass:
     def __init__(self, model: "ParsedModel | onnx.ModelProto", wrt, of, loss, allow_unused: bool,
                  strict_tags: bool = False, group: bool = False):
-        parsed = ParsedModel.of(model)
+        parsed = parse(model)
         self.parsed = parsed
         self.model = parsed.proto
         self.strict = strict_tags
@@ -111,7 +112,7 @@ class _Pass:
         self.targets = self.objective.targets
         self.reach = self.objective.reach
         self.wrt = self._wrt(wrt)
-        self.constants = M.constant_values(self.model, exclude=self.wrt)
+        self.constants = self.parsed.constants(exclude=self.wrt)
 
     # -- 1. what to differentiate ------------------------------------------------------
     def _wrt(self, wrt) -> list[str]:
@@ -396,7 +397,7 @@ class _Pass:
         M.add_value_infos(g, typed)
         if not unknown:
             return out
-        out.ir_version = M.emitted_ir_version(out)    # below IR 4, inference reads no initializer's value
+        out.ir_version = emitted_ir_version(out)    # below IR 4, inference reads no initializer's value
         inferred = M.infer(out)     # onnx's shape inference, ranks its readers imply where it finds none
         del g.value_info[:]         # (inferred on a skeleton: its types, not its initializers)
         g.value_info.extend(inferred.graph.value_info)
@@ -467,7 +468,7 @@ class _Pass:
         M.set_metadata(out, meta)
         if not any(o.domain in ("", "ai.onnx") for o in out.opset_import):
             out.opset_import.add(domain="", version=self.opset)
-        out.ir_version = M.emitted_ir_version(out)
+        out.ir_version = emitted_ir_version(out)
         if self.group:
             out.ir_version = max(out.ir_version, 10)        # function overloads
         return out

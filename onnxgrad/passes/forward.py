@@ -19,21 +19,22 @@ from __future__ import annotations
 import gc
 import json
 import os
-from typing import Mapping, Sequence
+from typing import Sequence
 
-import numpy as np
 import onnx
-from onnx import TensorProto, helper
+from onnx import helper
 
 from ..errors import NonFloatError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError
 from ..ir import graph as G
 from ..ir import model as M
-from ..ir.builder import Builder, NameScope, TensorInfo, Var, rename_tensors
+from ..ir.builder import Builder, Var
+from ..ir.load import emitted_ir_version, parse
+from ..ir.model import NameScope, ParsedModel, TensorInfo, rename_tensors
 from ..rules import tangents as T
 from . import reach as R
 from .tangent_fallback import transpose_of_vjp
 
-__all__ = ["jvp", "tangent_spec", "check_jvp"]
+__all__ = ["jvp", "tangent_spec"]
 
 
 def jvp(
@@ -55,7 +56,7 @@ def jvp(
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _ForwardPass(M.load(model), _names(wrt), _names(of), allow_unused, strict_tags).run()
+        return _ForwardPass(parse(model), _names(wrt), _names(of), allow_unused, strict_tags).run()
     finally:
         if enabled:
             gc.enable()
@@ -74,27 +75,22 @@ def _names(x: Sequence[str] | str | None) -> list[str] | None:
 
 
 class _ForwardPass:
-    def __init__(self, model: onnx.ModelProto, wrt: list[str] | None, of: list[str] | None,
+    def __init__(self, parsed: ParsedModel, wrt: list[str] | None, of: list[str] | None,
                  allow_unused: bool, strict: bool):
         if not wrt:
             raise UnknownNameError("jvp needs wrt: the tensors the tangent directions perturb")
-        self.model = model
+        self.model = parsed.proto
         self.strict = strict
         self.allow_unused = allow_unused
-        self.opset = M.opset_of(model)
-        self.infos, self.types = M.tensor_infos(M.infer(model))
-        g = model.graph
-        self.nodes = list(g.node)
-        for i, node in enumerate(self.nodes):
-            if not node.name:
-                node.name = f"{node.op_type}_{i}"
-        produced = {o for node in self.nodes for o in node.output if o}
-        self.known = {i.name for i in g.input} | {i.name for i in g.initializer} | produced
+        self.opset = parsed.opset
+        self.infos, self.types = dict(parsed.infos), dict(parsed.types)   # the pass adds its own tensors'
+        self.nodes = parsed.nodes
+        self.known = parsed.known
         self.of = self._of(of)
         self.wrt = self._wrt(wrt)
         self._positions: dict = {}
         self.reach = R.gradient_reach(self.nodes, self.of, self.opset, self.infos, strict, self._positions)
-        self.constants = M.constant_values(model, exclude=self.wrt)
+        self.constants = parsed.constants(exclude=self.wrt)
 
     def _of(self, of: list[str] | None) -> list[str]:
         outputs = [o.name for o in self.model.graph.output]
@@ -231,86 +227,8 @@ class _ForwardPass:
             "onnxgrad.tangents": json.dumps({y: o.name for y, o in zip(self.of, outputs)}),
         }
         M.set_metadata(out, meta)
-        out.ir_version = M.emitted_ir_version(out)
+        out.ir_version = emitted_ir_version(out)
         return out
 
 
 # -- the numeric check --------------------------------------------------------------------
-def check_jvp(model: onnx.ModelProto, jvp_model: onnx.ModelProto, inputs: Mapping[str, np.ndarray] | None = None,
-              *, rng: np.random.Generator | int = 0, eps: float = 1e-6,
-              run=None, reference: str = "") -> tuple[dict[str, float], dict[str, np.ndarray]]:
-    """Worst relative error of each tangent output against the central difference of the float64 forward
-    model along random directions v: (f(x + h v) - f(x - h v)) / 2h (at an intermediate tensor, h v is
-    added to the value flowing in, as jvp adds its direction to the tangent). ``run(jvp_model, feeds)``
-    evaluates the tangent graph (default: onnxruntime as it is; ``check.run_float64``: in float64).
-    ``reference``: the declared reason every run here uses onnx.reference (``check.check``'s). Returns the
-    errors and the directions used."""
-    from ..tools import check as C
-
-    rng = np.random.default_rng(rng)
-    model = M.load(model)
-    spec = tangent_spec(jvp_model)
-    wrt, of = list(spec["tangent_inputs"]), list(spec["tangents"])
-    feeds = dict(inputs) if inputs is not None else C.random_inputs(model, rng)
-    declared = {"runtime": "reference", "reason": reference} if reference else {}
-    model64 = C.to_float64(model)
-    feeds64 = C.as_float64(feeds)
-    inits = {i.name: onnx.numpy_helper.to_array(i) for i in model64.graph.initializer}
-    inner = [w for w in wrt if w not in feeds64 and w not in inits]
-    base = C.Runner(C._with_outputs(model64, inner + of), **declared)(feeds64, inner + of)
-    start = {w: feeds64[w] if w in feeds64 else inits[w] if w in inits else base[w] for w in wrt}
-    dtypes = {i.name: i.type.tensor_type.elem_type for i in jvp_model.graph.input}
-    directions = {}
-    for w in wrt:
-        np_type = helper.tensor_dtype_to_np_dtype(dtypes.get(spec["tangent_inputs"][w]) or TensorProto.FLOAT)
-        directions[w] = rng.standard_normal(np.shape(start[w])).astype(np_type)
-    tfeeds = dict(feeds)
-    tfeeds.update({spec["tangent_inputs"][w]: v for w, v in directions.items()})
-    names = [spec["tangents"][y] for y in of]
-    values = C.Runner(jvp_model, **declared)(tfeeds, names) if run is None else run(jvp_model, tfeeds)
-    leaves = [w for w in wrt if w not in inner]
-    perturbable = C.Runner(_with_offsets(C._as_inputs(model64, leaves), inner), **declared)
-    h = eps * max([1.0] + [float(np.max(np.abs(s), initial=0.0)) for s in start.values()])
-
-    def at(sign: float) -> dict:
-        point = dict(feeds64)
-        point.update({w: np.asarray(start[w], np.float64) + sign * h * directions[w].astype(np.float64)
-                      for w in leaves})
-        point.update({w + _OFFSET: sign * h * directions[w].astype(np.float64) for w in inner})
-        return perturbable(point, of)
-
-    plus, minus = at(1.0), at(-1.0)
-    errors = {}
-    for y, name in zip(of, names):
-        num = (plus[y] - minus[y]) / (2 * h)
-        got = np.asarray(values[name], np.float64)
-        if got.shape != num.shape:
-            errors[y] = float("inf")
-            continue
-        scale = max(np.max(np.abs(num), initial=0.0), np.max(np.abs(got), initial=0.0), C.ABS_FLOOR)
-        errors[y] = float(np.max(np.abs(got - num), initial=0.0) / scale)
-    return errors, directions
-
-
-_OFFSET = "__onnxgrad_offset"
-
-
-def _with_offsets(model: onnx.ModelProto, names: Sequence[str]) -> onnx.ModelProto:
-    """``model`` with an input ``<t>__onnxgrad_offset`` added to each intermediate tensor t where it is made:
-    its readers (outputs included) see t + offset, and whatever t depends on still moves it."""
-    if not names:
-        return model
-    m = onnx.ModelProto()
-    m.CopyFrom(model)
-    g = m.graph
-    nodes = []
-    for node in g.node:
-        nodes.append(node)
-        for k, y in enumerate(node.output):
-            if y in names:
-                node.output[k] = y + "__onnxgrad_before_offset"
-                nodes.append(helper.make_node("Add", [node.output[k], y + _OFFSET], [y], name=y + _OFFSET))
-                g.input.append(helper.make_tensor_value_info(y + _OFFSET, TensorProto.DOUBLE, None))
-    del g.node[:]
-    g.node.extend(nodes)
-    return m

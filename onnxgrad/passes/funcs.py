@@ -25,7 +25,8 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import OnnxGradError, UnknownNameError
 from ..ir import graph as G
 from ..ir import model as M
-from ..ir.builder import NameScope
+from ..ir.load import emitted_ir_version
+from ..ir.model import NameScope
 from .autodiff import grad
 from .forward import jvp, tangent_spec
 
@@ -51,7 +52,7 @@ def _set_meta(m: onnx.ModelProto, key: str, value) -> None:
 
 def _rename_outputs(m: onnx.ModelProto, renames: dict[str, str]) -> None:
     """Rename graph outputs where they are made and read (names must be free)."""
-    from ..ir.builder import rename_tensors
+    from ..ir.model import rename_tensors
 
     rename_tensors(list(m.graph.node), renames)
     for o in m.graph.output:
@@ -214,7 +215,7 @@ class _Batched:
         del og.node[:]
         og.node.extend(G.live_nodes(nodes, {o.name for o in og.output}))
         _set_meta(out, "onnxgrad.jacobian", spec)
-        out.ir_version = M.emitted_ir_version(out)
+        out.ir_version = emitted_ir_version(out)
         return out
 
     def _loop(self, k: int, seed: str, results: list[str], seed_dtype: int) -> list[str]:

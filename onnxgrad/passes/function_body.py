@@ -32,9 +32,10 @@ import onnx.version_converter
 from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import OnnxGradError, UnsupportedOpError
-from ..ir import model as M
-from ..ir.builder import TensorInfo, Var, rename_tensors
+from ..ir.builder import Var
 from ..ir.graph import dependencies, live_nodes
+from ..ir.load import emitted_ir_version
+from ..ir.model import TensorInfo, rename_tensors
 from ..rules.registry import Node, Rule, get_schema, schema_differentiable_inputs
 
 __all__ = ["has_function_body", "body_rule", "body_model", "through_body"]
@@ -167,7 +168,7 @@ def body_model(node: onnx.NodeProto, opset: int, infos: dict[str, TensorInfo], c
         raise ValueError(f"its function body fails onnx's shape inference here: {first}") from None
     for k, n in enumerate(model.graph.node):
         n.name = f"{n.op_type}_{k}"
-    model.ir_version = M.emitted_ir_version(model)
+    model.ir_version = emitted_ir_version(model)
     return model
 
 

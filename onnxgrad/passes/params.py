@@ -43,7 +43,8 @@ from onnx import helper, numpy_helper
 
 from ..errors import UnknownNameError
 from ..ir import model as M
-from ..ir.parsed import ParsedModel
+from ..ir.load import parse
+from ..ir.model import ParsedModel
 from .reach import Objective
 
 __all__ = ["Finding", "Parameter", "ParameterReport", "parameters", "recorded_torch_names", "restore_ties"]
@@ -185,7 +186,7 @@ def parameters(
     the reverse pass that asks already decided is differentiated (then ``loss`` and ``of`` are not read).
     """
     if objective is None:
-        objective = Objective(ParsedModel.of(model), [of] if isinstance(of, str) else of, loss, strict_tags)
+        objective = Objective(parse(model), [of] if isinstance(of, str) else of, loss, strict_tags)
     model, reach, what = objective.parsed.proto, objective.reach, objective.what
     g = model.graph
     floats = [i for i in g.initializer if i.data_type in M.FLOAT_TYPES]

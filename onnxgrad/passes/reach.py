@@ -23,8 +23,7 @@ import onnx
 
 from ..errors import NonFloatError, UnknownNameError
 from ..ir import model as M
-from ..ir.builder import WITH_BODIES, TensorInfo
-from ..ir.parsed import ParsedModel
+from ..ir.model import WITH_BODIES, ParsedModel, TensorInfo
 from ..rules.registry import Rule, get_rule, get_schema, schema_differentiable_inputs
 from .function_body import body_rule
 

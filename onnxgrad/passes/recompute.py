@@ -42,7 +42,8 @@ import onnx
 from onnx import helper
 
 from ..ir import model as M
-from ..ir.builder import Builder, NameScope, Var, rename_tensors
+from ..ir.builder import Builder, Var
+from ..ir.model import NameScope, rename_tensors
 from .optimize.rewriter import GraphView
 from .record import backward_nodes
 

@@ -27,7 +27,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from ..errors import UnusedError
 from ..ir import graph as G
-from ..ir.builder import Builder, TensorInfo, Var, rename_tensors
+from ..ir.builder import Builder, Var
+from ..ir.model import TensorInfo, rename_tensors
 
 _SUFFIX_V = "__tangent_in"
 _LOSS = "__inner_product"
@@ -98,7 +99,7 @@ def _single_node_model(node: onnx.NodeProto, b: Builder, types: Mapping[str, onn
     outs = [_value_info(o, o, b, types) for o in outputs]
     g = helper.make_graph([copy], f"{node.name}_alone", inputs, outs, inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
-    from ..ir.model import emitted_ir_version
+    from ..ir.load import emitted_ir_version
 
     m.ir_version = emitted_ir_version(m)
     return m

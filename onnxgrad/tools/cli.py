@@ -201,7 +201,7 @@ def _shape_text(vi) -> str:
 
 
 def run_grad(args: argparse.Namespace) -> int:
-    from ..ir.model import load
+    from ..ir.load import load
     from ..passes.autodiff import grad
     from ..passes.params import parameters, restore_ties
     from ..passes.record import backward_nodes, gradient_spec
@@ -436,7 +436,7 @@ def run_lower(argv: Sequence[str]) -> int:
     p.add_argument("model")
     p.add_argument("-o", "--output", help="default: <stem>.lowered.onnx beside MODEL")
     args = p.parse_args(argv)
-    from ..ir.model import load
+    from ..ir.load import load
     from .lowering import lower
 
     out = args.output or (args.model[:-5] if args.model.endswith(".onnx") else args.model) + ".lowered.onnx"
@@ -467,8 +467,9 @@ def run_jvp(argv: Sequence[str]) -> int:
                    help="also compare the tangents with central differences along random directions")
     p.add_argument("--seed", type=int, default=0, help="random seed for --check (default 0)")
     args = p.parse_args(argv)
-    from ..ir.model import load
-    from ..passes.forward import check_jvp, jvp, tangent_spec
+    from ..ir.load import load
+    from ..passes.forward import jvp, tangent_spec
+    from .check.jvp import check_jvp
 
     out_path = args.output or _default_output(args.model, ".jvp.onnx")
     if os.path.abspath(out_path) == os.path.abspath(args.model):

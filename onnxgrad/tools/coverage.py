@@ -8,7 +8,7 @@ from pathlib import Path
 import onnx.defs
 
 from ..errors import OnnxGradError
-from ..ir.model import MIN_OPSET
+from ..ir.load import MIN_OPSET
 from ..passes.function_body import has_function_body
 from ..rules.registry import DIFFERENTIABLE, NON_DIFFERENTIABLE, all_rules
 from ..runtime import onnxruntime
@@ -32,8 +32,8 @@ NO_RULE_WHY = {
     "SequenceEmpty": "no inputs",
     "SequenceLength": "integer result",
     "OptionalHasElement": "boolean result",
-    "Scatter": "deprecated: onnxgrad.ir.model.load upgrades it to ScatterElements, which has a rule",
-    "Upsample": "deprecated: onnxgrad.ir.model.load upgrades it to Resize, which has a rule",
+    "Scatter": "deprecated: onnxgrad.ir.load.load upgrades it to ScatterElements, which has a rule",
+    "Upsample": "deprecated: onnxgrad.ir.load.load upgrades it to Resize, which has a rule",
 }
 _BEYOND = "N+"   # tagged NonDifferentiable, differentiated as PyTorch does (the rule's beyond_tags)
 

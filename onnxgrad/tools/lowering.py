@@ -25,8 +25,10 @@ from onnx import TensorProto, helper
 
 from ..errors import InvalidModelError, UnsupportedOpError
 from ..ir import model as M
-from ..ir.builder import Builder, NameScope, TensorInfo, Var
+from ..ir.builder import Builder, Var
 from ..ir.graph import live_nodes
+from ..ir.load import MIN_OPSET, RUNTIME_MAX_OPSET, emitted_ir_version, load
+from ..ir.model import NameScope, TensorInfo
 from ..passes.autodiff import grad
 from ..passes.record import gradient_spec
 
@@ -38,7 +40,7 @@ DEFAULT_OPSET = 18   # for models that import no ai.onnx opset (e.g. a lone Adam
 
 def lower(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
     """A copy of ``model`` where every ai.onnx.preview.training node is replaced by standard ops."""
-    m = M.load(model)             # read, checked, opsets below 13 upgraded
+    m = load(model)             # read, checked, opsets below 13 upgraded
     m = _at_runtime_opset(m)
     return _Lowering(m).run()
 
@@ -57,7 +59,7 @@ def _at_runtime_opset(m: onnx.ModelProto) -> onnx.ModelProto:
     if version is None:
         m.opset_import.add(domain="", version=DEFAULT_OPSET)
         return m
-    target = min(max(version, M.MIN_OPSET), M.RUNTIME_MAX_OPSET)
+    target = min(max(version, MIN_OPSET), RUNTIME_MAX_OPSET)
     if target == version:
         return m
     try:
@@ -100,7 +102,7 @@ class _Lowering:
         kept = [o for o in self.m.opset_import if o.domain != TRAINING_DOMAIN]
         del self.m.opset_import[:]
         self.m.opset_import.extend(kept)
-        self.m.ir_version = M.emitted_ir_version(self.m)
+        self.m.ir_version = emitted_ir_version(self.m)
         return self.m
 
     # -- shared --------------------------------------------------------------------------------------------
@@ -275,7 +277,7 @@ class _Lowering:
         sub = helper.make_model(
             helper.make_graph([_copy(n) for n in cone], f"{label}_subgraph", sub_inputs, [y_vi], sub_inits),
             opset_imports=[helper.make_opsetid("", self.opset)])
-        sub.ir_version = M.emitted_ir_version(sub)
+        sub.ir_version = emitted_ir_version(sub)
         gm = grad(sub, wrt=wanted, of=[y], allow_unused=True)
         spec = gradient_spec(gm)
 

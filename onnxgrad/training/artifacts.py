@@ -46,9 +46,10 @@ from onnx import TensorProto, helper, numpy_helper
 from ..errors import ExportFoldedError, ExportWarning, OnnxGradError, UnknownNameError
 from ..ir import graph as G
 from ..ir import model as M
-from ..ir.builder import Builder, NameScope, TensorInfo, Var
+from ..ir.builder import Builder, Var
 from ..ir.files import HELD, copy_model, is_held, stripped
-from ..ir.parsed import ParsedModel
+from ..ir.load import emitted_ir_version, parse
+from ..ir.model import NameScope, ParsedModel, TensorInfo
 from ..passes.autodiff import grad
 from ..passes.optimize.guard import guard_as_where
 from ..passes.params import ParameterReport, parameters, restore_ties
@@ -218,9 +219,9 @@ def build(
         raise OnnxGradError(f"accumulation_steps must be a positive integer, got {accumulation_steps}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise OnnxGradError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
-    forward_in = to_eval_mode(ParsedModel.of(model))    # loaded and validated once: the steps share its facts
+    forward_in = to_eval_mode(parse(model))    # loaded and validated once: the steps share its facts
     if callable(loss):
-        loss_model = ParsedModel.of(loss(forward_in.proto))      # the loss's nodes appended, validated
+        loss_model = parse(loss(forward_in.proto))      # the loss's nodes appended, validated
         loss_name = getattr(loss, "name", "loss")
         forward = forward_in
     elif isinstance(loss, str):
@@ -668,7 +669,7 @@ class _Emitter:
         for t in self.inits:
             g.initializer.add().CopyFrom(t)
         g.node.extend(b.nodes)
-        m.ir_version = M.emitted_ir_version(m)
+        m.ir_version = emitted_ir_version(m)
         return final
 
 

@@ -37,7 +37,9 @@ from onnx import TensorProto, helper
 
 from ..errors import OnnxGradError, UnknownNameError
 from ..ir import model as M
-from ..ir.builder import Builder, NameScope, TensorInfo, Var
+from ..ir.builder import Builder, Var
+from ..ir.load import emitted_ir_version, load
+from ..ir.model import NameScope, TensorInfo
 
 __all__ = [
     "Loss",
@@ -315,7 +317,7 @@ class _Appender:
 
     def __init__(self, model: ModelLike, output: str | None, target: str, loss: str, kind: str):
         self.kind = kind
-        self.model = M.load(model)
+        self.model = load(model)
         g = self.model.graph
         infos, types = M.tensor_infos(M.infer(self.model))
         outputs = [o.name for o in g.output]
@@ -450,7 +452,7 @@ class _Appender:
         if self.class_target is not None:
             recorded = [asdict(t) for t in class_targets(self.model)] + [asdict(self.class_target)]
             M.set_metadata(self.model, {CLASS_TARGETS_KEY: json.dumps(recorded)})
-        self.model.ir_version = M.emitted_ir_version(self.model)
+        self.model.ir_version = emitted_ir_version(self.model)
         return self.model
 
 

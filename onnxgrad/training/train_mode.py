@@ -24,8 +24,7 @@ from onnx import helper, numpy_helper
 
 from ..errors import OnnxGradError
 from ..ir import model as M
-from ..ir.builder import NameScope
-from ..ir.parsed import ParsedModel
+from ..ir.model import NameScope, ParsedModel
 
 __all__ = ["TrainMode", "to_train_mode", "to_eval_mode"]
 

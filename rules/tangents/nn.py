@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from onnx import TensorProto
 
-from onnxgrad.ir.builder import TensorInfo, Var, float_bits, total
+from onnxgrad.ir.builder import Var, total
+from onnxgrad.ir.model import TensorInfo, float_bits
 
 from .base import TNode, defjvp, linear_tangent
 

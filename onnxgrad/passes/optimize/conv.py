@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from ...ir.builder import FLOAT_TYPES, Builder, Var
+from ...ir.builder import Builder, Var
+from ...ir.model import FLOAT_TYPES
 from .rewriter import GraphView, Match, Rewrite
 
 _PATCH_MAX_ELEMENTS = 1 << 25     # the patches hold taps copies of x: above this, keep the Conv form

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import onnx
 
-from ...ir.builder import FLOAT_TYPES, Builder, Var
+from ...ir.builder import Builder, Var
+from ...ir.model import FLOAT_TYPES
 from .rewriter import GraphView, Match, Rewrite
 
 

@@ -18,7 +18,8 @@ from onnx import helper
 
 from ...ir import graph as G
 from ...ir import model as M
-from ...ir.builder import Builder, NameScope, TensorInfo, Var, rename_tensors
+from ...ir.builder import Builder, Var
+from ...ir.model import NameScope, TensorInfo, rename_tensors
 
 
 class GraphView:

@@ -18,7 +18,7 @@ import onnx
 import onnx.defs
 from onnx import TensorProto, helper, numpy_helper
 
-from ...ir.builder import FLOAT_TYPES
+from ...ir.model import FLOAT_TYPES
 from ...passes.record import gradient_spec  # noqa: F401  (re-exported: tests and users read it here)
 from .runtime import (  # noqa: F401
     _FLOAT_TYPE_STRS,
@@ -325,7 +325,7 @@ def check(
     declared: by ``reference`` (the reason, for every run of this check) or, automatically, by the element
     type (see :class:`Runner`); the result records which runtime ran what, and why.
     """
-    from ...ir.model import load
+    from ...ir.load import load
 
     rng = np.random.default_rng(rng)
     model = load(model)          # what grad() differentiates: opsets below 13 upgraded, functions inlined
