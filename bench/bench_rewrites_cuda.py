@@ -115,6 +115,7 @@ DILATED_FLIPPED = Rewrite(
     "dilated_flipped", "ConvTranspose", _dilated_pattern, _dilated_check, _dilated_replacement,
     "a strided Conv's input gradient as a Conv over zero-dilated dy with the transposed, reversed kernel")
 
+
 # -- a candidate defined here: the strided input gradient as one stride-1 Conv per output phase -----------
 def _phase_check(view: GraphView, m: Match) -> str | None:
     why = _dilated_check(view, m)

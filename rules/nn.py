@@ -277,10 +277,6 @@ def _spatial_shape(n, v: Var, dims: list[int | None]) -> Var:
     return n.b.ints(dims) if None not in dims else n.b.shape_of(v, 2)
 
 
-
-
-
-
 def _pool_window_transpose(n, g: Var, x: Var, geo: _Geo) -> Var:
     """Each input position gets the sum of g over the windows it is in: a ones-kernel
     ConvTranspose over [N*C, 1, *spatial] (channels as batch, so C need not be known)."""

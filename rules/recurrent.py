@@ -102,8 +102,6 @@ class _Act:
         raise AssertionError(self.name)
 
 
-
-
 def _where(n: Node, cond: Var, if_true: float, if_false: float, like: Var) -> Var:
     return n.op.Where(cond, n.b.scalar(if_true, like), n.b.scalar(if_false, like))
 

@@ -299,7 +299,6 @@ class Node:
         """This rule declines the node's configuration, saying why (:meth:`Builder.decline`)."""
         self.b.decline(reason)
 
-
     def expose_output(self, i: int, hint: str, like: Var | None = None) -> Var:
         """Forward output i as a Var, naming it on the forward node if the model left it out.
 

@@ -14,8 +14,6 @@ from onnxgrad.tools.check import check, gradient_spec
 F = TensorProto.FLOAT
 
 
-
-
 def init(name, *shape, seed=0):
     return numpy_helper.from_array(np.random.default_rng(seed).standard_normal(shape).astype(np.float32), name)
 

@@ -104,7 +104,6 @@ def test_transpose_then_pad_with_axes():
     verify(m, {"x": RNG.standard_normal((2, 3, 4)).astype(np.float32)}, ["x"])
 
 
-
 def _unknown_rank(node, inits, out_rank, opset=17):
     """x [2, 3, 4] reshaped to a shape fed at run time (its rank unknown to the pass), then node -> y."""
     x = helper.make_tensor_value_info("x", F, [2, 3, 4])

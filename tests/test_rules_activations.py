@@ -144,8 +144,6 @@ def test_rule_against_numpy(case, f):
     assert np.abs(got64 - numeric).max() <= case.tol64 * scale
 
 
-
-
 def test_swish_schema_exists():
     assert onnx.defs.has("Swish") and onnx.defs.get_schema("Swish", 26).since_version == 24
 

@@ -220,8 +220,6 @@ def test_attention_unknown_heads_is_declined():
         onnxgrad.grad(model, wrt=wrt, of=["y0"])
 
 
-
-
 T = 3
 
 

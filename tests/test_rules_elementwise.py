@@ -158,8 +158,6 @@ def test_second_order(case):
     run_second_order(case)
 
 
-
-
 def test_max_three_way_tie_splits_evenly():
     """A value shared by three inputs gives each of them dy / 3 (like PyTorch's amax)."""
     a = np.array([[1.0, 2.0], [3.0, -1.0]], np.float32)

@@ -30,6 +30,7 @@ from . import reach as R
 
 __all__ = ["grad"]
 
+
 def grad(
     model: onnx.ModelProto | str | os.PathLike,
     wrt: Sequence[str] | str | None = None,

@@ -11,7 +11,7 @@ output: J v, with J the Jacobian of the outputs with respect to all of ``wrt``.
    (:mod:`onnxgrad.passes.tangent_fallback`). Zero-derivative ops give no tangent.
 3. Expose ``<y>_tangent`` outputs (zeros of y's type and shape where no direction reaches y, as
    ``torch.func.jvp``), drop tangent nodes nothing reads, stamp metadata
-   (``onnxgrad.tangent_inputs``, ``onnxgrad.rules.tangents``), which :func:`onnxgrad.grad` keeps,
+   (``onnxgrad.tangent_inputs``, ``onnxgrad.tangents``), which :func:`onnxgrad.grad` keeps,
    so ``grad(jvp(m))`` and ``jvp(grad(m))`` compose.
 """
 from __future__ import annotations

@@ -27,7 +27,7 @@ With ``defaults=True`` (the command line's choice) the parameters and the
 initial optimizer state are also stored as initializers of the same names, so
 a first step needs only data, ``lr`` and ``step``; and ``guard=True`` makes the
 graph itself keep the old values when ``finite`` is false. Every name is also
-recorded in the model's metadata (``onnxgrad.training.session``, JSON) and in the
+recorded in the model's metadata (``onnxgrad.training``, JSON) and in the
 inputs' and outputs' doc strings. :class:`onnxgrad.TrainingSession` uses the
 same builder.
 """

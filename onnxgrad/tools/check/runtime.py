@@ -255,6 +255,7 @@ def _body_gap(model: onnx.ModelProto, types: set[str]) -> str:
     from ...passes.function_body import has_function_body
 
     version = {o.domain or "": o.version for o in model.opset_import}.get("", 1)
+
     def schema(op: str):
         try:
             return onnx.defs.get_schema(op, version, "")
