@@ -31,49 +31,19 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import onnx
 import onnx_ir
-from onnx import TensorProto, helper, numpy_helper
 
 RUNS = 5
 
 
 def _load_chain():
-    """bench_build.chain, loaded by path (bench/ is not a package); a copy of it if that import fails."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_build.py")
-    try:
-        spec = importlib.util.spec_from_file_location("bench_build", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod.chain
-    except Exception as e:  # any failure to import it falls back to the local builder
-        print(f"(bench_build.py not importable: {e!r}; building the chain here)", file=sys.stderr)
-        return _chain
-
-
-def _chain(n_nodes: int, size: int = 4, opset: int = 17) -> onnx.ModelProto:
-    """The same chain as bench_build.chain: blocks h = Mul(Tanh(Add(MatMul(h, W_i), b_i)), c_i), ReduceSum loss."""
-    rng = np.random.default_rng(0)
-    nodes, inits = [], []
-    h = "x"
-    for i in range(max(1, (n_nodes - 1) // 4)):
-        w, b, c = f"W{i}", f"b{i}", f"c{i}"
-        inits += [numpy_helper.from_array((rng.standard_normal((size, size)) / size).astype(np.float32), w),
-                  numpy_helper.from_array(rng.standard_normal(size).astype(np.float32), b),
-                  numpy_helper.from_array(rng.uniform(0.5, 1.5, size).astype(np.float32), c)]
-        nodes += [helper.make_node("MatMul", [h, w], [f"m{i}"], name=f"matmul{i}"),
-                  helper.make_node("Add", [f"m{i}", b], [f"a{i}"], name=f"add{i}"),
-                  helper.make_node("Tanh", [f"a{i}"], [f"t{i}"], name=f"tanh{i}"),
-                  helper.make_node("Mul", [f"t{i}", c], [f"h{i}"], name=f"mul{i}")]
-        h = f"h{i}"
-    nodes.append(helper.make_node("ReduceSum", [h], ["loss"], keepdims=0, name="loss"))
-    graph = helper.make_graph(
-        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [size, size])],
-        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
-    model.ir_version = 8
-    return model
+    """bench_build.chain, loaded by path (bench/ is not a package): both benchmarks build the same chain."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_build", os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_build.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.chain
 
 
 # --- the steps ---------------------------------------------------------------------------------------------
