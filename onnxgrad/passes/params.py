@@ -243,13 +243,18 @@ class _ModelFacts:
         graph_meta = {p.key: p.value for p in g.metadata_props}
         graph_meta.update({p.key: p.value for p in model.metadata_props if p.key == SIGNATURE_KEY})
         self.kinds, self.targets = _parse_signature(graph_meta.get(SIGNATURE_KEY, ""))
+
+    @cached_property
+    def uses(self) -> dict[str, list[tuple[onnx.NodeProto, int]]]:
+        """The node inputs reading each initializer; the exporters route shared initializers through
+        Identity nodes: a use of the copy is a use (found on first use: the names alone need none)."""
+        g = self.model.graph
         direct: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
         for node in g.node:
             for k, x in enumerate(node.input):
                 if x:
                     direct.setdefault(x, []).append((node, k))
-        # the exporters route shared initializers through Identity nodes: a use of the copy is a use
-        self.uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
+        uses: dict[str, list[tuple[onnx.NodeProto, int]]] = {}
         for name in {i.name for i in g.initializer}:
             pending, seen = [name], set()
             while pending:
@@ -259,7 +264,8 @@ class _ModelFacts:
                         seen.add(node.output[0])
                         pending.append(node.output[0])
                     else:
-                        self.uses.setdefault(name, []).append((node, k))
+                        uses.setdefault(name, []).append((node, k))
+        return uses
 
     @staticmethod
     def scope(node: onnx.NodeProto) -> str | None:
