@@ -765,3 +765,24 @@ def test_digits_example_reaches_95_percent(tmp_path):
     assert float(line[-1].split(": ")[1]) >= 0.95
     assert "training" in r.stderr           # the tqdm progress bar
     onnx.checker.check_model(onnx.load(exported), full_check=True)
+
+
+def test_the_build_leaves_the_users_node_names_as_they_were(tmp_path):
+    """The passes name unnamed nodes in their own copies only: the loss and eval models (and so the hash a
+    checkpoint carries) keep the user's names, here none; the training model names them ``<op>_<index>``."""
+    from onnx import helper
+
+    w = numpy_helper.from_array(np.ones((3, 2), np.float32), "w")
+    g = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"]),
+                           helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 3])],
+                          [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [w])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    art = artifacts.build(m, "loss", optim.SGD(lr=0.1))
+    assert [n.name for n in art.loss_model.graph.node] == ["", ""]
+    assert [n.name for n in m.graph.node] == ["", ""]
+    assert [n.name for n in art.train.graph.node][:2] == ["MatMul_0", "ReduceSum_1"]
+    s = TrainingSession(m, loss="loss", optimizer=optim.SGD(lr=0.1))
+    s.step({"x": np.ones((4, 3), np.float32)})
+    s.save(tmp_path / "ck")
+    TrainingSession(m, loss="loss", optimizer=optim.SGD(lr=0.1)).restore(tmp_path / "ck")

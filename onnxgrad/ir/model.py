@@ -131,13 +131,15 @@ class ParsedModel:
 
     @cached_property
     def nodes(self) -> list[onnx.NodeProto]:
-        """The graph's nodes in order, each with a name (``<op>_<index>`` for the unnamed: the name the
-        backward nodes, errors and a viewer give it)."""
-        nodes = list(self.graph.node)
-        for i, node in enumerate(nodes):
+        """The graph's nodes in order (one Python wrapper each, kept: a pass may key facts by ``id``)."""
+        return list(self.graph.node)
+
+    def name_nodes(self) -> None:
+        """Give each unnamed node the name ``<op>_<index>``: what a pass that writes a model (its backward
+        nodes, its errors, a viewer) calls it. Only on a model the pass owns: the caller's keeps its own."""
+        for i, node in enumerate(self.nodes):
             if not node.name:
                 node.name = f"{node.op_type}_{i}"
-        return nodes
 
     @cached_property
     def producer(self) -> dict[str, onnx.NodeProto]:

@@ -95,7 +95,8 @@ def _names(x: Sequence[str] | str | None) -> list[str] | None:
 class _Pass:
     def __init__(self, model: "ParsedModel | onnx.ModelProto", wrt, of, loss, allow_unused: bool,
                  strict_tags: bool = False, group: bool = False):
-        parsed = parse(model)
+        parsed = parse(model)           # a copy of a proto; a parsed model is the caller's working copy
+        parsed.name_nodes()
         self.parsed = parsed
         self.model = parsed.proto
         self.strict = strict_tags

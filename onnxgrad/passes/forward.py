@@ -79,6 +79,7 @@ class _ForwardPass:
                  allow_unused: bool, strict: bool):
         if not wrt:
             raise UnknownNameError("jvp needs wrt: the tensors the tangent directions perturb")
+        parsed.name_nodes()
         self.model = parsed.proto
         self.strict = strict
         self.allow_unused = allow_unused
