@@ -4,7 +4,7 @@
 direction v, x's type and shape) and a graph output ``<y>_tangent`` per ``of``
 output: J v, with J the Jacobian of the outputs with respect to all of ``wrt``.
 
-1. Mark the tensors with a differentiable path to ``of`` (:func:`onnxgrad.ir.graph.gradient_reach`).
+1. Mark the tensors with a differentiable path to ``of`` (:func:`onnxgrad.passes.reach.gradient_reach`).
 2. Walk the nodes in topological order: each node with a tangent reaching a
    differentiable input gets its outputs' tangents from its tangent rule
    (:mod:`onnxgrad.rules.tangents`), else from the transpose of its reverse rule

@@ -18,7 +18,7 @@ formula::
   the pass then uses the general fallback, the transpose of the op's reverse rule
   (:mod:`onnxgrad.passes.tangent_fallback`).
 
-Which inputs carry tangents is :func:`onnxgrad.ir.graph.differentiable_positions`, the
+Which inputs carry tangents is :func:`onnxgrad.passes.reach.differentiable_positions`, the
 same fact the reverse pass uses.
 """
 from __future__ import annotations
