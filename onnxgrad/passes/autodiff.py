@@ -93,28 +93,54 @@ def _names(x: Sequence[str] | str | None) -> list[str] | None:
 
 
 class _Pass:
-    def __init__(self, model: "ParsedModel | onnx.ModelProto", wrt, of, loss, allow_unused: bool,
+    def __init__(self, model: ParsedModel | onnx.ModelProto, wrt, of, loss, allow_unused: bool,
                  strict_tags: bool = False, group: bool = False):
-        parsed = parse(model)           # a copy of a proto; a parsed model is the caller's working copy
-        parsed.name_nodes()
-        self.parsed = parsed
-        self.model = parsed.proto
+        self.parsed = parse(model)      # a copy of a proto; a parsed model is the caller's working copy
+        self.parsed.name_nodes()
         self.strict = strict_tags
         self.group = group
         self.report = None              # onnxgrad.parameters' report, when it was made
-        self.inferred = parsed.inferred
-        self.opset = parsed.opset
-        self.infos, self.types = dict(parsed.infos), dict(parsed.types)   # the pass adds its own tensors'
+        self.inferred = self.parsed.inferred
+        self.opset = self.parsed.opset
+        self.infos, self.types = dict(self.parsed.infos), dict(self.parsed.types)   # the pass adds its own
         self.allow_unused = allow_unused
-        self.nodes = parsed.nodes
-        self.producer = parsed.producer
-        self.known = parsed.known
-        self.objective = R.Objective(parsed, of, loss, self.strict)
-        self.loss, self.of = self.objective.loss, self.objective.of
-        self.targets = self.objective.targets
-        self.reach = self.objective.reach
+        self.objective = R.Objective(self.parsed, of, loss, self.strict)
         self.wrt = self._wrt(wrt)
         self.constants = self.parsed.constants(exclude=self.wrt)
+
+    # The model differentiated (tied parameters restored, when the policy chose wrt) and what is differentiated
+    # in it: read from the parsed model and the objective, which _wrt replaces and retargets together.
+    @property
+    def model(self) -> onnx.ModelProto:
+        return self.parsed.proto
+
+    @property
+    def nodes(self) -> list[onnx.NodeProto]:
+        return self.parsed.nodes
+
+    @property
+    def producer(self) -> dict[str, onnx.NodeProto]:
+        return self.parsed.producer
+
+    @property
+    def known(self) -> set[str]:
+        return self.parsed.known
+
+    @property
+    def loss(self) -> str | None:
+        return self.objective.loss
+
+    @property
+    def of(self) -> list[str]:
+        return self.objective.of
+
+    @property
+    def targets(self) -> set[str]:
+        return self.objective.targets
+
+    @property
+    def reach(self) -> set[str]:
+        return self.objective.reach
 
     # -- 1. what to differentiate ------------------------------------------------------
     def _wrt(self, wrt) -> list[str]:
@@ -125,10 +151,6 @@ class _Pass:
             if any(p.tied_to or p.merged_into for p in report):   # tied copies computed, merged ones split
                 self.parsed = self.parsed.edited(restore_ties(self.model, report))
                 self.objective.on(self.parsed)
-                self.model = self.parsed.proto
-                self.nodes = self.parsed.nodes
-                self.producer = self.parsed.producer
-                self.reach = self.objective.reach
             self.report = report
             return report.trainable
         for name in wrt:
