@@ -89,8 +89,9 @@ class _ForwardPass:
         self.known = parsed.known
         self.of = self._of(of)
         self.wrt = self._wrt(wrt)
-        self._positions: dict = {}
-        self.reach = R.gradient_reach(self.nodes, self.of, self.opset, self.infos, strict, self._positions)
+        cache: dict = {}
+        self.facts = R.node_facts(parsed, strict, cache)
+        self.reach = R.gradient_reach(self.nodes, self.of, self.opset, self.infos, strict, cache)
         self.constants = parsed.constants(exclude=self.wrt)
 
     def _of(self, of: list[str] | None) -> list[str]:
@@ -163,20 +164,18 @@ class _ForwardPass:
             outs = [o for o in node.output if o in self.reach and M.is_float(self.infos.get(o))]
             if not outs:
                 continue
-            positions = R.differentiable_positions(node, self.opset, self.strict, self._positions)
+            rule, positions, outer_reads, no_rule_reason = self.facts[id(node)]
             dxs = [self.tangent.get(x) if i in positions and x else None for i, x in enumerate(node.input)]
-            inner = M.subgraph_inputs(node) & set(self.tangent) if M.has_subgraph(node) else set()
+            inner = outer_reads & set(self.tangent)
             if all(d is None for d in dxs) and not inner:
                 continue
-            rule = R.rule_of(node, self.opset)
             if rule is not None and rule.stop:
                 continue                        # zero (or no) derivative: no tangent flows on
             native = T.get_tangent_rule(node.op_type) if node.domain in ("", "ai.onnx") and not inner else None
             if native is None and rule is None:
                 unsupported.setdefault(node.op_type, node.name)
-                why = R.why_no_rule(node)
-                if why is not None:
-                    reasons[node.op_type] = why
+                if no_rule_reason is not None:
+                    reasons[node.op_type] = no_rule_reason
                 continue
             if unsupported:
                 continue                        # keep looking for every unsupported op, build nothing more

@@ -27,7 +27,8 @@ from ..ir.model import WITH_BODIES, ParsedModel, TensorInfo
 from ..rules.registry import Rule, get_rule, get_schema, schema_differentiable_inputs
 from .function_body import body_rule
 
-__all__ = ["rule_of", "why_no_rule", "differentiable_positions", "gradient_reach", "NodeFacts", "Objective"]
+__all__ = ["rule_of", "why_no_rule", "differentiable_positions", "gradient_reach", "NodeFacts", "node_facts",
+           "Objective"]
 
 _STANDARD = ("", "ai.onnx")
 
@@ -126,6 +127,26 @@ class NodeFacts(NamedTuple):
     no_rule_reason: str | None          # why it has no rule, where there is a reason to give (:func:`why_no_rule`)
 
 
+def node_facts(parsed: ParsedModel, strict: bool = False, cache: dict | None = None) -> dict[int, NodeFacts]:
+    """Each node's :class:`NodeFacts`, by ``id`` of the node (``parsed.nodes`` keeps the ids alive): what the
+    reverse and forward passes ask of every node, looked up once per op (``cache``: shared with
+    :func:`gradient_reach`'s lookups of differentiable positions)."""
+    cache = {} if cache is None else cache
+    by_op: dict[tuple, tuple[Rule | None, tuple[int, ...]]] = {}
+    facts: dict[int, NodeFacts] = {}
+    for node in parsed.nodes:
+        nested = bool(node.attribute) and M.has_subgraph(node)
+        key = (node.domain, node.op_type, len(node.input), nested)
+        found = by_op.get(key)
+        if found is None:           # the same for every node of this op: looked up once
+            found = by_op[key] = (rule_of(node, parsed.opset),
+                                  differentiable_positions(node, parsed.opset, strict, cache))
+        rule, positions = found
+        facts[id(node)] = NodeFacts(rule, positions, frozenset(M.subgraph_inputs(node)) if nested else frozenset(),
+                                    why_no_rule(node) if rule is None else None)
+    return facts
+
+
 class Objective:
     """What a pass differentiates in a parsed model: the ``loss`` (a scalar float output, seeded with 1) or
     the outputs ``of`` (each seeded), checked against the model; ``targets`` (the differentiated outputs),
@@ -145,19 +166,7 @@ class Objective:
         (tied parameters restored)."""
         self.parsed = parsed
         cache: dict = {}
-        by_op: dict[tuple, tuple[Rule | None, tuple[int, ...]]] = {}
-        self.facts: dict[int, NodeFacts] = {}
-        for node in parsed.nodes:
-            nested = bool(node.attribute) and M.has_subgraph(node)
-            key = (node.domain, node.op_type, len(node.input), nested)
-            found = by_op.get(key)
-            if found is None:           # the same for every node of this op: looked up once
-                found = by_op[key] = (rule_of(node, parsed.opset),
-                                      differentiable_positions(node, parsed.opset, self.strict, cache))
-            rule, positions = found
-            self.facts[id(node)] = NodeFacts(rule, positions,
-                                             frozenset(M.subgraph_inputs(node)) if nested else frozenset(),
-                                             why_no_rule(node) if rule is None else None)
+        self.facts = node_facts(parsed, self.strict, cache)
         self.reach = gradient_reach(parsed.nodes, self.targets, parsed.opset, parsed.infos, self.strict, cache)
 
     @property
