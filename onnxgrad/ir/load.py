@@ -1,8 +1,9 @@
 """Reading a model, validating it and normalising it before any pass, and the versions runtimes load.
 
-:func:`load` reads a path (external data from beside it) or copies a proto, runs the ONNX checker, inlines
-local functions, and brings the opset into what onnxruntime runs (``MIN_OPSET`` and up, down to the
-installed runtime's newest); :func:`emitted_ir_version` is the IR version the passes write.
+:func:`parse` reads a path (external data from beside it) or copies a proto, runs the ONNX checker, inlines
+local functions, and normalises the model on its facts (:class:`onnxgrad.ir.model.ParsedModel`): the opset
+brought into what onnxruntime runs (``MIN_OPSET`` and up, down to the installed runtime's newest), and more;
+:func:`load` is its proto. :func:`emitted_ir_version` is the IR version the passes write.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from onnx import helper, numpy_helper
 
 from ..errors import InvalidModelError
 from .files import skeleton
-from .model import NameScope, ParsedModel, TensorInfo, constant_values, defined_names, infer, opset_of, tensor_infos
+from .model import NameScope, ParsedModel, TensorInfo
 
 MIN_OPSET = 13
 # onnxruntime 1.31 loads IR versions up to 13 and ai.onnx opsets up to 26: the floor we rely on
@@ -59,8 +60,26 @@ def runtime_max_opset() -> int:
     return lo
 
 
+def parse(model: ParsedModel | onnx.ModelProto | str | os.PathLike) -> ParsedModel:
+    """``model`` parsed once for every pass: a parsed model as it is; a path (external data from beside it) or
+    a proto (copied) read, checked by the ONNX checker, its local functions inlined, then normalised on its
+    facts: Pad's ``axes`` folded, the opset brought into what onnxruntime runs (``MIN_OPSET`` and up, down to
+    the installed runtime's newest), an IR-3 model's weights taken off its inputs."""
+    if isinstance(model, ParsedModel):
+        return model
+    parsed = _pads_on_every_axis(ParsedModel(_checked(model)))
+    parsed = _in_runtime_opsets(parsed)
+    return _initializers_not_inputs(parsed) if parsed.proto.ir_version < 4 else parsed
+
+
 def load(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
-    """The model as a proto (external data loaded from beside a path), validated and at opset >= 13."""
+    """The model as a proto, read, validated and normalised as :func:`parse` does."""
+    return parse(model).proto
+
+
+def _checked(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
+    """The model read (a path, its external data from beside it) or copied (a proto), checked by the ONNX
+    checker, its local functions inlined."""
     path = None
     if isinstance(model, (str, os.PathLike)):
         path = os.fspath(model)
@@ -93,11 +112,13 @@ def load(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
         # which exporters still write); runtimes run them, and so do we
         if "is deprecated" not in message:
             raise InvalidModelError(f"the model fails the ONNX checker: {message}") from None
-    if model.functions:
-        model = onnx.inliner.inline_local_functions(model)
-    version = opset_of(model)
-    model = _pads_on_every_axis(model)
-    newest = runtime_max_opset()
+    return onnx.inliner.inline_local_functions(model) if model.functions else model
+
+
+def _in_runtime_opsets(parsed: ParsedModel) -> ParsedModel:
+    """The model at an ai.onnx opset the installed onnxruntime runs: converted down from a newer one, upgraded
+    to ``MIN_OPSET`` from an older one (onnx's version converter)."""
+    model, version, newest = parsed.proto, parsed.opset, runtime_max_opset()
     if version > newest:
         try:
             import onnxruntime
@@ -114,26 +135,27 @@ def load(model: onnx.ModelProto | str | os.PathLike) -> onnx.ModelProto:
                 "or older") from None
         print(f"onnxgrad: converted the model from ai.onnx opset {version} down to {newest}, the newest the "
               f"installed {runtime} runs", file=sys.stderr)
+        return ParsedModel(model)
     if version < MIN_OPSET:
         print(f"onnxgrad: upgrading the model from ai.onnx opset {version} to {MIN_OPSET}", file=sys.stderr)
         try:
-            model = _scan8_batch_kept(model, onnx.version_converter.convert_version(model, MIN_OPSET))
+            upgraded = ParsedModel(onnx.version_converter.convert_version(model, MIN_OPSET))
         except Exception as e:
             raise InvalidModelError(
                 f"the model uses ai.onnx opset {version}, and onnx's version converter cannot upgrade it to "
                 f"{MIN_OPSET}: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}; "
                 f"re-export it at opset {MIN_OPSET} or newer"
             ) from None
-    if model.ir_version < 4:        # (after the converter, which wants IR 3's inputs as they are)
-        _initializers_not_inputs(model)
-    return model
+        return _scan8_batch_kept(parsed, upgraded)
+    return parsed
 
 
-def _initializers_not_inputs(model: onnx.ModelProto) -> None:
+def _initializers_not_inputs(parsed: ParsedModel) -> ParsedModel:
     """An IR-3 model made a model of its opset's IR. IR 3 (the onnx model zoo's opset 7 and 8 models) lists
     every initializer as a graph input too; they are its weights, not inputs (onnxruntime takes no feed for
     them below IR 4). They leave the input list, as a model written today holds them: the check perturbs
     them as initializers, training updates them, and no feed is asked for."""
+    model = parsed.proto            # the parse's own copy: edited in place
     g = model.graph
     weights = {t.name for t in g.initializer}
     kept = [i for i in g.input if i.name not in weights]
@@ -143,22 +165,22 @@ def _initializers_not_inputs(model: onnx.ModelProto) -> None:
     # the converter keeps the IR version; an upgraded opset needs a newer one
     model.ir_version = max(model.ir_version, helper.find_min_ir_version_for(list(model.opset_import),
                                                                           ignore_unknown=True))
+    return parsed.edited(model)
 
 
-def _pads_on_every_axis(model: onnx.ModelProto) -> onnx.ModelProto:
+def _pads_on_every_axis(parsed: ParsedModel) -> ParsedModel:
     """Pad-18's ``axes`` input folded into pads for every axis (same values, no axes), where pads, axes
     and the rank are known. onnxruntime 1.32's transpose optimizer ignores ``axes`` when it moves a
     Transpose through a Pad: ``Transpose(perm=[1, 0, 2]) -> Pad(mode='edge', pads=[1, 1], axes=[2]) -> Sin``
     with its gradient appended fails at run time ("indices element out of data bounds") under the
     default optimizations."""
-    g = model.graph
+    g = parsed.graph
     pads_with_axes = [n for n in g.node if n.op_type == "Pad" and n.domain in ("", "ai.onnx")
                       and len(n.input) > 3 and n.input[3]]
     if not pads_with_axes:
-        return model
-    values = constant_values(model)
-    infos, _ = tensor_infos(infer(model))
-    taken = {i.name for i in g.initializer} | {o for n in g.node for o in n.output} | {i.name for i in g.input}
+        return parsed
+    values, infos = parsed.constants(), parsed.infos
+    taken = set(parsed.known)
     replaced: set[str] = set()
     for node in pads_with_axes:
         pads, axes = values.get(node.input[1]), values.get(node.input[3])
@@ -182,21 +204,21 @@ def _pads_on_every_axis(model: onnx.ModelProto) -> onnx.ModelProto:
     unused = [t for t in g.initializer if t.name in replaced and t.name not in read]
     for t in unused:
         g.initializer.remove(t)
-    return model
+    return parsed.edited(parsed.proto)       # the parse's own copy, edited in place: its facts found again
 
 
-def _scan8_batch_kept(original: onnx.ModelProto, model: onnx.ModelProto) -> onnx.ModelProto:
+def _scan8_batch_kept(original: ParsedModel, upgraded: ParsedModel) -> ParsedModel:
     """Scan-8 runs its body once per element of a leading batch axis of every input and output; onnx's
     converter makes it a Scan-9, which has none, and strips that axis from the declared shapes: the upgraded
     model would take other inputs than the model (test_scan_sum: initial [1, 2] became [2]). Each such Scan
     becomes a Loop over the batch, its body the Scan-9 on one element (Gather), its outputs the Loop's scan
-    outputs (stacked on axis 0 again); the declared types are the model's own. Returns ``model``, the
-    converted ``original``, changed in place."""
-    g = model.graph
+    outputs (stacked on axis 0 again); the declared types are the model's own. Returns ``upgraded`` (the
+    converter's copy of ``original``), edited in place."""
+    g = upgraded.graph
     scans = [n for n in g.node if n.op_type == "Scan" and n.domain in ("", "ai.onnx")]
-    if opset_of(original) >= 9 or not scans:
-        return model
-    fresh = NameScope(defined_names(g)).fresh
+    if original.opset >= 9 or not scans:
+        return upgraded
+    fresh = NameScope(upgraded.defined).fresh
     nodes = []
     for node in g.node:
         if node not in scans:
@@ -236,15 +258,10 @@ def _scan8_batch_kept(original: onnx.ModelProto, model: onnx.ModelProto) -> onnx
     for vi in list(g.input) + list(g.output) + list(g.value_info):
         if vi.name in types:
             vi.type.CopyFrom(types[vi.name])
-    return model
+    return upgraded.edited(upgraded.proto)
 
 
 def emitted_ir_version(model: onnx.ModelProto) -> int:
     """An IR version the installed runtime loads: no newer than it reads, no older than the opsets need."""
     need = helper.find_min_ir_version_for(list(model.opset_import), ignore_unknown=True)
     return max(min(model.ir_version, RUNTIME_MAX_IR), need)
-
-
-def parse(model: ParsedModel | onnx.ModelProto | str | os.PathLike) -> ParsedModel:
-    """``model`` parsed once for every pass: a parsed model as it is; a proto or a path :func:`load`-ed."""
-    return model if isinstance(model, ParsedModel) else ParsedModel(load(model))
