@@ -156,6 +156,18 @@ class ParsedModel:
         """Every tensor of the main graph: inputs, initializers and node outputs."""
         return {i.name for i in self.graph.input} | set(self.initializers) | set(self.producer)
 
+    @cached_property
+    def outer_reads(self) -> dict[int, frozenset[str]]:
+        """The nodes with subgraphs (If, Loop, Scan bodies), by ``id``, and the outer-scope tensors their
+        subgraphs read."""
+        return {id(node): frozenset(subgraph_inputs(node)) for node in self.nodes
+                if node.attribute and has_subgraph(node)}
+
+    @cached_property
+    def defined(self) -> set[str]:
+        """Every name the graph and the subgraphs in it define (a fresh name is none of them)."""
+        return defined_names(self.graph)
+
     @property
     def output_names(self) -> list[str]:
         return [o.name for o in self.graph.output]

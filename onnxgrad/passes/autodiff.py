@@ -93,9 +93,9 @@ def _names(x: Sequence[str] | str | None) -> list[str] | None:
 
 
 class _Pass:
-    def __init__(self, model: ParsedModel | onnx.ModelProto, wrt, of, loss, allow_unused: bool,
+    def __init__(self, parsed: ParsedModel, wrt, of, loss, allow_unused: bool,
                  strict_tags: bool = False, group: bool = False):
-        self.parsed = parse(model)      # a copy of a proto; a parsed model is the caller's working copy
+        self.parsed = parsed            # the caller's working copy (grad's parse copied a proto)
         self.parsed.name_nodes()
         self.strict = strict_tags
         self.group = group
@@ -175,7 +175,7 @@ class _Pass:
         self._allowed: dict[int, tuple[int, ...]] = {}         # differentiable positions, by id(node)
         facts = self.objective.facts
         for node in self.nodes:
-            rule, positions, outer_reads, no_rule_reason = facts[id(node)]
+            rule, positions, outer_reads, no_rule_reason, _ = facts[id(node)]
             self._allowed[id(node)] = positions
             needed = {i for i in positions if node.input[i] in requires}
             inner = outer_reads & requires

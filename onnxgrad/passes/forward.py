@@ -89,9 +89,8 @@ class _ForwardPass:
         self.known = parsed.known
         self.of = self._of(of)
         self.wrt = self._wrt(wrt)
-        cache: dict = {}
-        self.facts = R.node_facts(parsed, strict, cache)
-        self.reach = R.gradient_reach(self.nodes, self.of, self.opset, self.infos, strict, cache)
+        self.facts = R.node_facts(parsed, strict)
+        self.reach = R.gradient_reach(parsed, self.facts, self.of)
         self.constants = parsed.constants(exclude=self.wrt)
 
     def _of(self, of: list[str] | None) -> list[str]:
@@ -164,7 +163,7 @@ class _ForwardPass:
             outs = [o for o in node.output if o in self.reach and M.is_float(self.infos.get(o))]
             if not outs:
                 continue
-            rule, positions, outer_reads, no_rule_reason = self.facts[id(node)]
+            rule, positions, outer_reads, no_rule_reason, _ = self.facts[id(node)]
             dxs = [self.tangent.get(x) if i in positions and x else None for i, x in enumerate(node.input)]
             inner = outer_reads & set(self.tangent)
             if all(d is None for d in dxs) and not inner:

@@ -6,6 +6,7 @@ several passes need, each computed in one place.
 - :func:`differentiable_positions`: which inputs of a node can carry a gradient
   (the rule's registration, else the schema's tags, else every input).
 - :class:`Objective`: what a pass differentiates (a loss, or seeded outputs) and its gradient reach.
+- :func:`node_facts`: each node's rule, differentiable inputs and subgraph reads, found once per op.
 - :func:`gradient_reach`: every tensor from which a *differentiable* path reaches
   the targets: through differentiable input positions, float tensors only, never
   through an op that cuts gradients (integer or boolean results, random draws). A
@@ -27,124 +28,108 @@ from ..ir.model import WITH_BODIES, ParsedModel, TensorInfo
 from ..rules.registry import Rule, get_rule, get_schema, schema_differentiable_inputs
 from .function_body import body_rule
 
-__all__ = ["rule_of", "why_no_rule", "differentiable_positions", "gradient_reach", "NodeFacts", "node_facts",
+__all__ = ["rule_of", "differentiable_positions", "gradient_reach", "NodeFacts", "node_facts",
            "Objective"]
 
 _STANDARD = ("", "ai.onnx")
 
 
-def rule_of(node: onnx.NodeProto, opset: int | None = None) -> Rule | None:
+def rule_of(node: onnx.NodeProto, opset: int | None = None, nested: bool | None = None) -> Rule | None:
     """The gradient rule of a standard op at ``opset``: its hand-written rule for that opset, else, for an
     op whose schema has a function body, the generic rule that differentiates the body
-    (:mod:`onnxgrad.passes.function_body`); a node with subgraphs only if its rule differentiates them (If, Loop,
-    Scan). None for the rest (no rule). Without ``opset``: the newest hand-written rule."""
+    (:mod:`onnxgrad.passes.function_body`); a node with subgraphs (``nested``; found from the node where not
+    given) only if its rule differentiates them (If, Loop, Scan). None for the rest (no rule). Without
+    ``opset``: the newest hand-written rule."""
     if node.domain not in _STANDARD:
         return None
     rule = get_rule(node.op_type, opset)
-    if node.attribute and M.has_subgraph(node):
+    if nested if nested is not None else bool(node.attribute) and M.has_subgraph(node):
         return rule if rule is not None and rule.subgraphs else None
     if rule is None and opset is not None:
         rule = body_rule(node.op_type, opset)
     return rule
 
 
-def why_no_rule(node: onnx.NodeProto) -> str | None:
-    """The reason a node has no gradient rule, where there is one to give (custom domain, control flow)."""
-    if node.domain not in _STANDARD:
-        return f"custom domain '{node.domain}'"
-    if M.has_subgraph(node) and rule_of(node) is None:
-        return "control flow with subgraphs"
-    return None
-
-
 def differentiable_positions(node: onnx.NodeProto, opset: int, strict: bool = False,
-                             cache: dict | None = None) -> tuple[int, ...]:
+                             rule: "Rule | None | bool" = False) -> tuple[int, ...]:
     """Input positions of ``node`` that can carry a gradient.
 
     A rule's registration decides (the schema's Differentiable tags, plus the inputs PyTorch
     differentiates beyond them unless ``strict``); an op without a rule counts every input
     of a tagged schema's Differentiable ones, or all of them, so that the pass reports it as
-    unsupported rather than silently cutting the path.
+    unsupported rather than silently cutting the path. ``rule``: the node's :func:`rule_of`, where the
+    caller has it.
     """
-    key = (node.domain, node.op_type, len(node.input), bool(node.attribute) and M.has_subgraph(node), strict)
-    if cache is not None and key in cache:         # asked of every node, several times per pass
-        return cache[key]
-    rule = rule_of(node, opset)
+    rule = rule_of(node, opset) if rule is False else rule
     n = len(node.input)
     schema = get_schema(node.op_type, opset) if node.domain in _STANDARD else None
     if rule is not None:
-        positions = rule.differentiable_inputs(schema, n, strict=strict)
-    else:
-        tagged = schema_differentiable_inputs(schema, n)
-        positions = tagged if tagged is not None else tuple(range(n))
-    if cache is not None:
-        cache[key] = positions
-    return positions
+        return rule.differentiable_inputs(schema, n, strict=strict)
+    tagged = schema_differentiable_inputs(schema, n)
+    return tagged if tagged is not None else tuple(range(n))
 
 
-def gradient_reach(nodes: Sequence[onnx.NodeProto], targets: Iterable[str], opset: int,
-                   infos: Mapping[str, TensorInfo] | None = None, strict: bool = False,
-                   cache: dict | None = None) -> set[str]:
-    """Every tensor with a differentiable path to the targets (the targets included).
+class NodeFacts(NamedTuple):
+    """What the passes ask of one forward node, found once per node."""
+    rule: Rule | None                   # its gradient rule at the model's opset (:func:`rule_of`)
+    positions: tuple[int, ...]          # the inputs that can carry a gradient (:func:`differentiable_positions`)
+    outer_reads: frozenset[str]         # the outer-scope tensors its subgraphs read (If, Loop, Scan)
+    no_rule_reason: str | None          # why it has no rule, where there is a reason to give
+    nested: bool = False                # it has subgraphs
+
+
+def node_facts(parsed: ParsedModel, strict: bool = False) -> dict[int, NodeFacts]:
+    """Each node's :class:`NodeFacts`, by ``id`` of the node (``parsed.nodes`` keeps the ids alive): the rule
+    and differentiable positions looked up once per op, the subgraphs' reads from the parsed model."""
+    by_op: dict[tuple, tuple[Rule | None, tuple[int, ...], str | None]] = {}
+    facts: dict[int, NodeFacts] = {}
+    opset, nested_reads = parsed.opset, parsed.outer_reads
+    for node in parsed.nodes:
+        reads = nested_reads.get(id(node))
+        nested = reads is not None
+        key = (node.domain, node.op_type, len(node.input), nested)
+        found = by_op.get(key)
+        if found is None:           # the same for every node of this op: looked up once
+            rule = rule_of(node, opset, nested)
+            reason = None
+            if node.domain not in _STANDARD:
+                reason = f"custom domain '{node.domain}'"
+            elif rule is None and nested and rule_of(node, None, nested) is None:
+                reason = "control flow with subgraphs"
+            found = by_op[key] = (rule, differentiable_positions(node, opset, strict, rule), reason)
+        rule, positions, reason = found
+        facts[id(node)] = NodeFacts(rule, positions, reads or frozenset(), reason, nested)
+    return facts
+
+
+def gradient_reach(parsed: ParsedModel, facts: Mapping[int, NodeFacts], targets: Iterable[str]) -> set[str]:
+    """Every tensor with a differentiable path to the targets (the targets included), from each node's
+    :class:`NodeFacts`.
 
     A node passes its outputs' reach to the inputs at its differentiable positions when one
     of its float outputs is reached and it is not a stop-gradient op; nodes with subgraphs
     pass it to every input and outer-scope read (the pass refuses them with a clear error).
     """
-    infos = infos or {}
-    cache = {} if cache is None else cache
+    infos = parsed.infos
     reach = {t for t in targets if M.is_float(infos.get(t))}      # float tensors only, so an output
-    facts: dict[tuple, tuple[str, Sequence[int]]] = {}               # in reach is a float one
-    for node in reversed(nodes):
+    for node in reversed(parsed.nodes):                            # in reach is a float one
         if reach.isdisjoint(node.output):
             continue
-        op, domain, inputs = node.op_type, node.domain, node.input
-        if (op in WITH_BODIES or domain not in _STANDARD) and M.has_subgraph(node):
-            reach.update(x for x in inputs if x and M.is_float(infos.get(x)))
-            reach |= {x for x in M.subgraph_inputs(node) if M.is_float(infos.get(x))}
+        fact = facts[id(node)]
+        if fact.nested and (node.op_type in WITH_BODIES or node.domain not in _STANDARD):
+            reach.update(x for x in node.input if x and M.is_float(infos.get(x)))
+            reach |= {x for x in fact.outer_reads if M.is_float(infos.get(x))}
             continue
-        key = (domain, op, len(inputs))
-        fact = facts.get(key)
-        if fact is None:                # the same for every node of this op: looked up once
-            rule = rule_of(node, opset)
-            if rule is not None and rule.stop:   # zero_derivative: a gradient of zeros (PyTorch's floor, sign)
-                fact = ("zeros", range(len(inputs))) if rule.zero_derivative else ("stop", ())
-            else:
-                fact = ("", differentiable_positions(node, opset, strict, cache))
-            facts[key] = fact
-        for i in fact[1]:
-            x = inputs[i]
+        rule = fact.rule
+        if rule is not None and rule.stop:   # zero_derivative: a gradient of zeros (PyTorch's floor, sign)
+            positions = range(len(node.input)) if rule.zero_derivative else ()
+        else:
+            positions = fact.positions
+        for i in positions:
+            x = node.input[i]
             if x and x not in reach and M.is_float(infos.get(x)):
                 reach.add(x)
     return reach
-
-
-class NodeFacts(NamedTuple):
-    """What the reverse pass asks of one forward node, found once per node."""
-    rule: Rule | None                   # its gradient rule at the model's opset (:func:`rule_of`)
-    positions: tuple[int, ...]          # the inputs that can carry a gradient (:func:`differentiable_positions`)
-    outer_reads: frozenset[str]         # the outer-scope tensors its subgraphs read (If, Loop, Scan)
-    no_rule_reason: str | None          # why it has no rule, where there is a reason to give (:func:`why_no_rule`)
-
-
-def node_facts(parsed: ParsedModel, strict: bool = False, cache: dict | None = None) -> dict[int, NodeFacts]:
-    """Each node's :class:`NodeFacts`, by ``id`` of the node (``parsed.nodes`` keeps the ids alive): what the
-    reverse and forward passes ask of every node, looked up once per op (``cache``: shared with
-    :func:`gradient_reach`'s lookups of differentiable positions)."""
-    cache = {} if cache is None else cache
-    by_op: dict[tuple, tuple[Rule | None, tuple[int, ...]]] = {}
-    facts: dict[int, NodeFacts] = {}
-    for node in parsed.nodes:
-        nested = bool(node.attribute) and M.has_subgraph(node)
-        key = (node.domain, node.op_type, len(node.input), nested)
-        found = by_op.get(key)
-        if found is None:           # the same for every node of this op: looked up once
-            found = by_op[key] = (rule_of(node, parsed.opset),
-                                  differentiable_positions(node, parsed.opset, strict, cache))
-        rule, positions = found
-        facts[id(node)] = NodeFacts(rule, positions, frozenset(M.subgraph_inputs(node)) if nested else frozenset(),
-                                    why_no_rule(node) if rule is None else None)
-    return facts
 
 
 class Objective:
@@ -165,9 +150,8 @@ class Objective:
         """Take the facts of ``parsed``: this objective's model, or an edit of it that keeps its outputs
         (tied parameters restored)."""
         self.parsed = parsed
-        cache: dict = {}
-        self.facts = node_facts(parsed, self.strict, cache)
-        self.reach = gradient_reach(parsed.nodes, self.targets, parsed.opset, parsed.infos, self.strict, cache)
+        self.facts = node_facts(parsed, self.strict)
+        self.reach = gradient_reach(parsed, self.facts, self.targets)
 
     @property
     def what(self) -> str:
@@ -201,7 +185,8 @@ class Objective:
     def _check_output(self, name: str, what: str) -> None:
         outputs = self.parsed.output_names
         if name not in outputs:
+            hint = "; name the loss output with loss=, or append a loss from onnxgrad.losses" if what == "loss" else ""
             raise UnknownNameError(
-                f"{what} '{name}' is not an output of the model (outputs: {', '.join(outputs)})")
+                f"{what} '{name}' is not an output of the model (outputs: {', '.join(outputs)}){hint}")
         if not M.is_float(self.parsed.infos.get(name)):
             raise NonFloatError(f"{what} '{name}' is not a floating-point tensor; only float outputs have gradients")
