@@ -170,7 +170,7 @@ class ParameterReport:
 
 
 def parameters(
-    model: ParsedModel | onnx.ModelProto | str | os.PathLike,
+    model: ParsedModel | onnx.ModelProto | str | os.PathLike | None = None,
     loss: str | None = None,
     of: Sequence[str] | str | None = None,
     frozen: Sequence[str] = (),
@@ -183,7 +183,8 @@ def parameters(
     the single scalar float output, else every float output). ``frozen``: initializers
     not to train. The result lists every float initializer with its reason;
     ``.trainable`` is the default ``wrt`` of ``grad`` and what training sessions train. ``objective``: what
-    the reverse pass that asks already decided is differentiated (then ``loss`` and ``of`` are not read).
+    the pass that asks already decided is differentiated, in which model (then ``model``, ``loss``, ``of`` and
+    ``strict_tags`` are not read).
     """
     if objective is None:
         objective = Objective(parse(model), [of] if isinstance(of, str) else of, loss, strict_tags)

@@ -53,6 +53,7 @@ from ..ir.model import NameScope, ParsedModel, TensorInfo
 from ..passes.autodiff import grad
 from ..passes.optimize.guard import guard_as_where
 from ..passes.params import ParameterReport, parameters, restore_ties
+from ..passes.reach import Objective
 from ..passes.record import gradient_spec
 from .losses import CLASS_TARGETS_KEY
 from .optim import AdamW, Optimizer, UpdateContext
@@ -230,9 +231,9 @@ def build(
         forward = None
     else:
         raise OnnxGradError(f"loss must be an output name or a loss from onnxgrad.losses, got {type(loss).__name__}")
-    _check_loss(loss_model, loss_name)
+    objective = Objective(loss_model, None, loss_name, strict_tags)     # the loss checked: a scalar float output
     frozen = list(dict.fromkeys(frozen))
-    report = parameters(loss_model, loss=loss_name, frozen=frozen, strict_tags=strict_tags)
+    report = parameters(objective=objective, frozen=frozen)
     _say_findings(report, train_mode)
     params = _chosen(report, trainable, frozen) if trainable is not None else report.trainable
     # tensors merged by value get their own again; tied copies are computed from the parameter they copy
@@ -674,13 +675,6 @@ class _Emitter:
 
 
 # -- graph surgery helpers ----------------------------------------------------------------------------
-def _check_loss(model: ParsedModel, loss: str) -> None:
-    outputs = model.output_names
-    if loss not in outputs:
-        raise UnknownNameError(f"loss '{loss}' is not an output of the model (outputs: {', '.join(outputs)}); "
-                               "name the loss output with loss=, or pass a loss from onnxgrad.losses")
-
-
 def _as_float(b: Builder, x: Var, dtype: int) -> Var:
     """x in float32 (norms of float16 gradients overflow in float16)."""
     return x if dtype == TensorProto.FLOAT else b.op.Cast(x, to=TensorProto.FLOAT)
