@@ -353,7 +353,7 @@ def test_constant_if_condition_values():
     with an initializer (a default the caller may override), is never taken as a constant: only its declared
     shape is (its Size, when every dim is a number)."""
     model = _model(IF_CONSTANT_2D, 13)
-    values = onnxgrad.ir.model.constant_values(model)
+    values = onnxgrad.ir.model.ParsedModel(model).constants
     assert values["k"] == 1 and values["first"] and list(values["shape"]) == [1, 2, 3]
     size = next(n for n in model.graph.node if n.output[0] == "size")
     model.graph.node.remove(size)
@@ -362,5 +362,5 @@ def test_constant_if_condition_values():
         del model.graph.input[:]
         model.graph.input.extend(_model(IF_CONSTANT_2D, 13).graph.input)
         model.graph.input.append(onnx.helper.make_tensor_value_info("size", onnx.TensorProto.INT64, dims))
-        values = onnxgrad.ir.model.constant_values(model)
+        values = onnxgrad.ir.model.ParsedModel(model).constants
         assert {"n", "is2d", "k", "first", "shape"} & set(values) == folded, dims

@@ -67,7 +67,8 @@ def parse(model: ParsedModel | onnx.ModelProto | str | os.PathLike) -> ParsedMod
     the installed runtime's newest), an IR-3 model's weights taken off its inputs."""
     if isinstance(model, ParsedModel):
         return model
-    parsed = _pads_on_every_axis(ParsedModel(_checked(model)))
+    proto = _checked(model)
+    parsed = _pads_on_every_axis(ParsedModel(proto))
     parsed = _in_runtime_opsets(parsed)
     return _initializers_not_inputs(parsed) if parsed.proto.ir_version < 4 else parsed
 
@@ -179,7 +180,7 @@ def _pads_on_every_axis(parsed: ParsedModel) -> ParsedModel:
                       and len(n.input) > 3 and n.input[3]]
     if not pads_with_axes:
         return parsed
-    values, infos = parsed.constants(), parsed.infos
+    values, infos = parsed.constants, parsed.infos
     taken = set(parsed.known)
     replaced: set[str] = set()
     for node in pads_with_axes:

@@ -172,10 +172,15 @@ class ParsedModel:
     def output_names(self) -> list[str]:
         return [o.name for o in self.graph.output]
 
-    def constants(self, exclude: Iterable[str] = ()) -> dict[str, np.ndarray]:
-        """The values known at build time (:func:`constant_values`), but those of ``exclude`` (what a pass
-        differentiates is no constant)."""
-        return constant_values(self.proto, exclude)
+    @cached_property
+    def constants(self) -> dict[str, np.ndarray]:
+        """The values known at build time (:func:`constant_values`)."""
+        return constant_values(self.proto, self.inferred)
+
+    def constants_without(self, variables: Iterable[str]) -> dict[str, np.ndarray]:
+        """The values known at build time when ``variables`` are not (what a pass differentiates is no
+        constant, nor what is computed from it)."""
+        return constant_values(self.proto, self.inferred, variables)
 
 
 def value_info_like(name: str, like: str, types: dict[str, onnx.TypeProto], infos: dict[str, TensorInfo],
@@ -412,7 +417,7 @@ _RANDOM = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "Rando
                      "Multinomial", "Dropout"})
 
 
-def _specialized(model: onnx.ModelProto, exclude: Iterable[str] = (), inferred: onnx.ModelProto | None = None
+def _specialized(model: onnx.ModelProto, inferred: onnx.ModelProto, exclude: Iterable[str] = ()
                  ) -> tuple[onnx.ModelProto | None, dict[str, np.ndarray]]:
     """For a model with an If: a copy in which integer and boolean computations on constants are folded
     into initializers and each If whose condition they decide is replaced by its taken branch (repeatedly:
@@ -481,25 +486,20 @@ def _integral(dtype: int) -> bool:
                      onnx.TensorProto.UINT32, onnx.TensorProto.UINT64)
 
 
-def _static_shapes(g: onnx.GraphProto, model: onnx.ModelProto,
-                   inferred: onnx.ModelProto | None = None) -> dict[str, tuple[int, ...]]:
+def _static_shapes(g: onnx.GraphProto, model: onnx.ModelProto, inferred: onnx.ModelProto
+                   ) -> dict[str, tuple[int, ...]]:
     """The shapes the graph's inputs and initializers are declared with, where every dim is a number: a
     value fed there has that shape, whatever its values (an initializer that is also an input, a default
     the caller may override, has the input's declared shape); where a Shape or Size reads another tensor,
-    also the static shapes onnx's inference gives the model's tensors (AffineGrid's size = Shape(x) of an
-    image of any batch is an int64[4]), from ``inferred`` where the caller has inferred the model already."""
+    also the static shapes ``inferred`` gives the model's tensors (AffineGrid's size = Shape(x) of an
+    image of any batch is an int64[4])."""
     shapes = {t.name: tuple(t.dims) for t in g.initializer}
     for vi in g.input:
         shapes.pop(vi.name, None)
         if (dims := _static_dims(vi.type)) is not None:
             shapes[vi.name] = dims
     measured = any(n.op_type in ("Shape", "Size") and n.input[0] not in shapes for n in model.graph.node)
-    if inferred is None and measured:
-        try:
-            inferred = shape_inference.infer_shapes(skeleton(model), check_type=False, strict_mode=False)
-        except Exception:
-            return shapes
-    if inferred is not None and measured:
+    if measured:
         for vi in inferred.graph.value_info:
             if vi.name not in shapes and (dims := _static_dims(vi.type)) is not None:
                 shapes[vi.name] = dims
@@ -625,7 +625,7 @@ def _specialized_shapes(model: onnx.ModelProto, inferred: onnx.ModelProto) -> di
     its taken branch; the model itself is not changed. The symbols that inference of the copy makes up
     for unknown dims ('unk__3') are dropped: the model's own inference makes up the same names for other
     dims, and onnxruntime takes two dims of one name for equal."""
-    copy, _ = _specialized(model, inferred=inferred)
+    copy, _ = _specialized(model, inferred)
     if copy is None:
         return {}
     try:
@@ -715,13 +715,15 @@ def tensor_infos(model: onnx.ModelProto) -> tuple[dict[str, TensorInfo], dict[st
     return infos, types
 
 
-def constant_values(model: onnx.ModelProto, exclude: Iterable[str] = ()) -> dict[str, np.ndarray]:
+def constant_values(model: onnx.ModelProto, inferred: onnx.ModelProto, exclude: Iterable[str] = ()
+                    ) -> dict[str, np.ndarray]:
     """Values known at build time: initializers that are not graph inputs, and Constant nodes; in a model
     with an If, also the integer and boolean tensors computed from them (:func:`_specialized`), so that
-    an If whose condition they decide is seen as its taken branch."""
+    an If whose condition they decide is seen as its taken branch. ``inferred``: the model with its tensors'
+    types (:func:`infer`'s, or a written model's own value_info), which a Shape folded there reads."""
     g = model.graph
     exclude = set(exclude) | {i.name for i in g.input}
-    out: dict[str, np.ndarray] = _specialized(model, exclude)[1]
+    out: dict[str, np.ndarray] = _specialized(model, inferred, exclude)[1]
     for init in g.initializer:
         if init.name not in exclude and init.data_location != onnx.TensorProto.EXTERNAL:
             if int(np.prod(init.dims)) <= 4096:

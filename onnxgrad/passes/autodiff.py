@@ -106,7 +106,7 @@ class _Pass:
         self.allow_unused = allow_unused
         self.objective = R.Objective(self.parsed, of, loss, self.strict)
         self.wrt = self._wrt(wrt)
-        self.constants = self.parsed.constants(exclude=self.wrt)
+        self.constants = self.parsed.constants_without(self.wrt)
 
     # The model differentiated (tied parameters restored, when the policy chose wrt) and what is differentiated
     # in it: read from the parsed model and the objective, which _wrt replaces and retargets together.

@@ -91,7 +91,7 @@ class _ForwardPass:
         self.wrt = self._wrt(wrt)
         self.facts = R.node_facts(parsed, strict)
         self.reach = R.gradient_reach(parsed, self.facts, self.of)
-        self.constants = parsed.constants(exclude=self.wrt)
+        self.constants = parsed.constants_without(self.wrt)
 
     def _of(self, of: list[str] | None) -> list[str]:
         outputs = [o.name for o in self.model.graph.output]

@@ -32,7 +32,7 @@ class GraphView:
         self.opset = M.opset_of(model)
         self.first = first                                   # where the backward starts in the input
         self.infos, _ = M.tensor_infos(model)
-        self.constants = M.constant_values(model)
+        self.constants = M.constant_values(model, model)     # its value_info: the pass wrote every type
         self.nodes = list(g.node)                            # the working list; written back by apply
         self.forward = {id(n) for n in self.nodes[:first]}   # the forward's nodes, those of its rewrites too
         # replaced nodes by id, kept alive so that no new node takes the id of one gone
