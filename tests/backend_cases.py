@@ -32,7 +32,7 @@ from onnx import TensorProto, helper, numpy_helper
 import onnxgrad
 from onnxgrad.ir.load import RUNTIME_MAX_OPSET, load
 from onnxgrad.ir.model import FLOAT_TYPES, has_subgraph, opset_of
-from onnxgrad.passes.reach import differentiable_positions
+from onnxgrad.passes.reach import differentiable_positions, rule_of
 from onnxgrad.rules.registry import NON_DIFFERENTIABLE, get_rule, get_schema
 from onnxgrad.tools.check import (
     Runner,
@@ -156,7 +156,7 @@ def _runtime_opset(model: onnx.ModelProto) -> onnx.ModelProto:
 def _differentiable_inputs(case: BackendCase, model: onnx.ModelProto) -> list[str]:
     """Float graph inputs that feed positions the op's rule differentiates (expanded cases share the names)."""
     node = helper.make_node(UPGRADED.get(case.op_type, case.op_type), list(case.node_inputs), [])
-    positions = differentiable_positions(node, opset_of(model))
+    positions = differentiable_positions(node, opset_of(model), rule_of(node, opset_of(model)))
     names = {case.node_inputs[i] for i in positions if case.node_inputs[i]}
     return [vi.name for vi in model.graph.input
             if vi.name in names and vi.type.tensor_type.elem_type in FLOAT_TYPES]

@@ -34,33 +34,31 @@ __all__ = ["rule_of", "differentiable_positions", "gradient_reach", "NodeFacts",
 _STANDARD = ("", "ai.onnx")
 
 
-def rule_of(node: onnx.NodeProto, opset: int | None = None, nested: bool | None = None) -> Rule | None:
+def rule_of(node: onnx.NodeProto, opset: int | None = None, nested: bool = False) -> Rule | None:
     """The gradient rule of a standard op at ``opset``: its hand-written rule for that opset, else, for an
     op whose schema has a function body, the generic rule that differentiates the body
-    (:mod:`onnxgrad.passes.function_body`); a node with subgraphs (``nested``; found from the node where not
-    given) only if its rule differentiates them (If, Loop, Scan). None for the rest (no rule). Without
-    ``opset``: the newest hand-written rule."""
+    (:mod:`onnxgrad.passes.function_body`); a node with subgraphs (``nested``: the parsed model's
+    ``outer_reads`` has it) only if its rule differentiates them (If, Loop, Scan). None for the rest (no
+    rule). Without ``opset``: the newest hand-written rule."""
     if node.domain not in _STANDARD:
         return None
     rule = get_rule(node.op_type, opset)
-    if nested if nested is not None else bool(node.attribute) and M.has_subgraph(node):
+    if nested:
         return rule if rule is not None and rule.subgraphs else None
     if rule is None and opset is not None:
         rule = body_rule(node.op_type, opset)
     return rule
 
 
-def differentiable_positions(node: onnx.NodeProto, opset: int, strict: bool = False,
-                             rule: "Rule | None | bool" = False) -> tuple[int, ...]:
+def differentiable_positions(node: onnx.NodeProto, opset: int, rule: Rule | None, strict: bool = False
+                             ) -> tuple[int, ...]:
     """Input positions of ``node`` that can carry a gradient.
 
     A rule's registration decides (the schema's Differentiable tags, plus the inputs PyTorch
     differentiates beyond them unless ``strict``); an op without a rule counts every input
     of a tagged schema's Differentiable ones, or all of them, so that the pass reports it as
-    unsupported rather than silently cutting the path. ``rule``: the node's :func:`rule_of`, where the
-    caller has it.
+    unsupported rather than silently cutting the path. ``rule``: the node's :func:`rule_of`.
     """
-    rule = rule_of(node, opset) if rule is False else rule
     n = len(node.input)
     schema = get_schema(node.op_type, opset) if node.domain in _STANDARD else None
     if rule is not None:
@@ -96,7 +94,7 @@ def node_facts(parsed: ParsedModel, strict: bool = False) -> dict[int, NodeFacts
                 reason = f"custom domain '{node.domain}'"
             elif rule is None and nested and rule_of(node, None, nested) is None:
                 reason = "control flow with subgraphs"
-            found = by_op[key] = (rule, differentiable_positions(node, opset, strict, rule), reason)
+            found = by_op[key] = (rule, differentiable_positions(node, opset, rule, strict), reason)
         rule, positions, reason = found
         facts[id(node)] = NodeFacts(rule, positions, reads or frozenset(), reason, nested)
     return facts
