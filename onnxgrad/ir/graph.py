@@ -2,6 +2,7 @@
 
 - :func:`dependencies` / :func:`live_nodes` / :func:`live` (both): every tensor (node) some targets depend
   on, through any input (subgraphs' outer reads included): one reverse walk.
+- :func:`pruned`: the model computing only some of its outputs.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import onnx
 
 from . import model as M
 
-__all__ = ["dependencies", "live_nodes", "live"]
+__all__ = ["dependencies", "live_nodes", "live", "pruned"]
 
 
 def dependencies(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> set[str]:
@@ -29,6 +30,24 @@ def live_nodes(nodes: Sequence[onnx.NodeProto], targets: Iterable[str],
 def live(nodes: Sequence[onnx.NodeProto], targets: Iterable[str]) -> tuple[set[str], list[onnx.NodeProto]]:
     """:func:`dependencies` and :func:`live_nodes` in one walk."""
     return _reverse_walk(nodes, targets)
+
+
+def pruned(model: M.ParsedModel, outputs: Sequence[str]) -> M.ParsedModel:
+    """The model computing only ``outputs``: unneeded nodes, inputs and initializers dropped."""
+    m = onnx.ModelProto()
+    m.CopyFrom(model.proto)
+    g = m.graph
+    nodes = list(g.node)            # one wrapper per node, alive while their ids are compared
+    needed, kept = live(nodes, outputs)
+    ids = {id(n) for n in kept}
+    for i in reversed(range(len(nodes))):
+        if id(nodes[i]) not in ids:
+            del g.node[i]
+    wanted = set(outputs)
+    M.keep_only(g.output, lambda o: o.name in wanted)
+    M.keep_only(g.input, lambda i: i.name in needed)
+    M.keep_only(g.initializer, lambda t: t.name in needed)
+    return model.edited(m)
 
 
 def _reverse_walk(nodes: Sequence[onnx.NodeProto], targets: Iterable[str],

@@ -145,9 +145,9 @@ class _Pass:
     # -- 1. what to differentiate ------------------------------------------------------
     def _wrt(self, wrt) -> list[str]:
         if wrt is None:
-            from .params import parameters, restore_ties
+            from .params import parameters_of, restore_ties
 
-            report = parameters(self.parsed, strict_tags=self.strict, objective=self.objective)
+            report = parameters_of(self.objective)
             if any(p.tied_to or p.merged_into for p in report):   # tied copies computed, merged ones split
                 self.parsed = self.parsed.edited(restore_ties(self.model, report))
                 self.objective.on(self.parsed)

@@ -47,7 +47,8 @@ from ..ir.load import parse
 from ..ir.model import ParsedModel
 from .reach import Objective
 
-__all__ = ["Finding", "Parameter", "ParameterReport", "parameters", "recorded_torch_names", "restore_ties"]
+__all__ = ["Finding", "Parameter", "ParameterReport", "parameters", "parameters_of", "recorded_torch_names",
+           "restore_ties"]
 
 KIND_KEY = "pkg.torch.export.graph_signature.InputSpec.kind"
 FOLDED_KEY = "pkg.onnxscript.optimizer.folded_from"
@@ -170,24 +171,26 @@ class ParameterReport:
 
 
 def parameters(
-    model: ParsedModel | onnx.ModelProto | str | os.PathLike | None = None,
+    model: ParsedModel | onnx.ModelProto | str | os.PathLike,
     loss: str | None = None,
     of: Sequence[str] | str | None = None,
     frozen: Sequence[str] = (),
     strict_tags: bool = False,
-    objective: Objective | None = None,
 ) -> ParameterReport:
     """Decide which float initializers of ``model`` are trainable (see the module's rules).
 
     ``loss`` / ``of`` name what is differentiated, as in :func:`onnxgrad.grad` (neither:
     the single scalar float output, else every float output). ``frozen``: initializers
     not to train. The result lists every float initializer with its reason;
-    ``.trainable`` is the default ``wrt`` of ``grad`` and what training sessions train. ``objective``: what
-    the pass that asks already decided is differentiated, in which model (then ``model``, ``loss``, ``of`` and
-    ``strict_tags`` are not read).
+    ``.trainable`` is the default ``wrt`` of ``grad`` and what training sessions train.
     """
-    if objective is None:
-        objective = Objective(parse(model), [of] if isinstance(of, str) else of, loss, strict_tags)
+    objective = Objective(parse(model), [of] if isinstance(of, str) else of, loss, strict_tags)
+    return parameters_of(objective, frozen)
+
+
+def parameters_of(objective: Objective, frozen: Sequence[str] = ()) -> ParameterReport:
+    """:func:`parameters` for what a pass already decided is differentiated, and in which model (the training
+    build's objective, the reverse pass's when no ``wrt`` is given)."""
     model, reach, what = objective.parsed.proto, objective.reach, objective.what
     g = model.graph
     floats = [i for i in g.initializer if i.data_type in M.FLOAT_TYPES]

@@ -49,10 +49,10 @@ from ..ir import model as M
 from ..ir.builder import Builder, Var
 from ..ir.files import HELD, copy_model, is_held, stripped
 from ..ir.load import emitted_ir_version, parse
-from ..ir.model import NameScope, ParsedModel, TensorInfo
+from ..ir.model import NameScope, TensorInfo
 from ..passes.autodiff import grad
 from ..passes.optimize.guard import guard_as_where
-from ..passes.params import ParameterReport, parameters, restore_ties
+from ..passes.params import ParameterReport, parameters_of, restore_ties
 from ..passes.reach import Objective
 from ..passes.record import gradient_spec
 from .losses import CLASS_TARGETS_KEY
@@ -234,7 +234,7 @@ def build(
         raise OnnxGradError(f"loss must be an output name or a loss from onnxgrad.losses, got {type(loss).__name__}")
     objective = Objective(loss_model, None, loss_name, strict_tags)     # the loss checked: a scalar float output
     frozen = list(dict.fromkeys(frozen))
-    report = parameters(objective=objective, frozen=frozen)
+    report = parameters_of(objective, frozen)
     _say_findings(report, train_mode)
     params = _chosen(report, trainable, frozen) if trainable is not None else report.trainable
     # tensors merged by value get their own again; tied copies are computed from the parameter they copy
@@ -247,9 +247,15 @@ def build(
                             f"loss '{loss_name}'" + (f" ({left})" if left else "")
                             + "; name the tensors to train with trainable=[...]")
     if forward is None:
-        forward = _prune(loss_model, [o for o in loss_model.output_names if o != loss_name] or [loss_name])
+        forward = G.pruned(loss_model, [o for o in loss_model.output_names if o != loss_name] or [loss_name])
     running: dict[str, str] = {}
-    differentiated = loss_model.edited(_weights_held(loss_model.proto, params))
+    # What is differentiated needs the parameters' types and shapes, not their values (graph analyses read
+    # constants of at most 4096 elements): their initializers carry a placeholder (HELD), so that each copy
+    # that train mode, the gradient pass and the rewrites make is without the weights. Built field by field,
+    # so the weights are not copied either (a 64 MB weight's build peaked at 402 MB). The training graph's
+    # inputs take the parameters' values from the loss model (_Builder.initial).
+    held = set(params)
+    differentiated = loss_model.edited(stripped(loss_model.proto, lambda t: HELD if t.name in held else None))
     if train_mode:
         tm = to_train_mode(differentiated)
         differentiated, running = differentiated.edited(tm.model), tm.running
@@ -704,37 +710,8 @@ def _as_inputs(model: onnx.ModelProto, groups: Sequence[tuple[Sequence[str], str
     return m
 
 
-def _weights_held(model: onnx.ModelProto, params: Iterable[str]) -> onnx.ModelProto:
-    """A copy of ``model`` whose parameter initializers carry no data, only a placeholder
-    (:data:`onnxgrad.ir.files.HELD`). What is differentiated needs their types and shapes, not their values
-    (graph analyses read constants of at most 4096 elements): each copy of the model that training mode,
-    the gradient pass and the rewrites make is then without the weights. Built field by field, so the
-    weights are not copied either (a 64 MB weight's build peaked at 402 MB). The training graph's inputs
-    take the parameters' values from the loss model (``_Builder.initial``)."""
-    names = set(params)
-    return stripped(model, lambda t: HELD if t.name in names else None)
-
-
 def _params_as_inputs(model: onnx.ModelProto, params: Sequence[str] | dict, defaults: bool) -> onnx.ModelProto:
     return _as_inputs(model, [(list(params), "trainable parameter")], defaults)
-
-
-def _prune(model: ParsedModel, outputs: Sequence[str]) -> ParsedModel:
-    """The model computing only ``outputs``: unneeded nodes, inputs and initializers dropped."""
-    m = onnx.ModelProto()
-    m.CopyFrom(model.proto)
-    g = m.graph
-    nodes = list(g.node)            # one wrapper per node, alive while their ids are compared
-    needed, live = G.live(nodes, outputs)
-    kept = {id(n) for n in live}
-    for i in reversed(range(len(nodes))):
-        if id(nodes[i]) not in kept:
-            del g.node[i]
-    wanted = set(outputs)
-    M.keep_only(g.output, lambda o: o.name in wanted)
-    M.keep_only(g.input, lambda i: i.name in needed)
-    M.keep_only(g.initializer, lambda t: t.name in needed)
-    return model.edited(m)
 
 
 # Producers whose kernels read element i of each input before writing element i of the output, so the
