@@ -237,6 +237,14 @@ def set_metadata(model: "onnx.ModelProto | onnx.TensorProto", values: dict[str, 
         model.metadata_props.add(key=k, value=v)
 
 
+def set_attribute(node: onnx.NodeProto, name: str, value) -> None:
+    """Set one attribute of a node, replacing an earlier value of that name, keeping the others."""
+    kept = [a for a in node.attribute if a.name != name]
+    del node.attribute[:]
+    node.attribute.extend(kept)
+    node.attribute.append(helper.make_attribute(name, value))
+
+
 def keep_only(field, keep) -> None:
     """Delete, in place, the items of a repeated proto field for which ``keep(item)`` is false.
 

@@ -66,7 +66,7 @@ def to_train_mode(model: ParsedModel | onnx.ModelProto, seed: int = 0) -> TrainM
             while len(node.input) < 3:
                 node.input.append("")
             node.input[2] = true_name
-            _set_attr(node, "seed", int(seed + k))
+            M.set_attribute(node, "seed", int(seed + k))
             out.dropout_nodes.append(node.name)
     del g.node[:]
     g.node.extend(nodes)
@@ -91,7 +91,7 @@ def to_eval_mode(model: ParsedModel) -> ParsedModel:
                                     "torch.onnx.export with training=torch.onnx.TrainingMode.PRESERVE)")
             del node.output[1:]
             if opset >= 14:
-                _set_attr(node, "training_mode", 0)
+                M.set_attribute(node, "training_mode", 0)
     false_name = None
     for node in g.node:
         if node.op_type == "Dropout" and node.domain in ("", "ai.onnx") and len(node.input) > 2 and node.input[2]:
@@ -126,13 +126,6 @@ def _dropout_active(node: onnx.NodeProto, g: onnx.GraphProto) -> bool:
         if init.name == node.input[2]:
             return bool(numpy_helper.to_array(init).reshape(-1)[0])
     return True          # computed at run time: the graph decides
-
-
-def _set_attr(node: onnx.NodeProto, name: str, value) -> None:
-    kept = [a for a in node.attribute if a.name != name]
-    del node.attribute[:]
-    node.attribute.extend(kept)
-    node.attribute.append(helper.make_attribute(name, value))
 
 
 def _batch_norm_train(node: onnx.NodeProto, opset: int, names: NameScope, initializers: dict[str, int],
@@ -194,8 +187,8 @@ def _batch_norm_train(node: onnx.NodeProto, opset: int, names: NameScope, initia
     del node.output[:]
     node.output.extend(outputs)
     if opset >= 14:
-        _set_attr(node, "training_mode", 1)
-    _set_attr(node, "momentum", 0.0)
+        M.set_attribute(node, "training_mode", 1)
+    M.set_attribute(node, "momentum", 0.0)
     before, nodes = nodes, []          # emit() appends to the list now named nodes: what runs after the node
 
     # n = elements per channel = Size(x) / Shape(x)[1]; PyTorch's running variance is unbiased
