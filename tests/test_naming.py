@@ -11,7 +11,7 @@ import onnx
 import pytest
 
 import onnxgrad
-from onnxgrad.ir.load import load
+from onnxgrad.ir.load import load, parse
 from onnxgrad.passes.autodiff import _Pass
 from onnxgrad.passes.record import backward_nodes
 
@@ -22,7 +22,7 @@ IDS = [p.stem for p in MODELS]
 
 
 def _build(path, **kw):
-    p = _Pass(load(str(path)), None, None, None, False, **kw)
+    p = _Pass(parse(str(path)), None, None, None, False, **kw)
     return p, p.run()
 
 

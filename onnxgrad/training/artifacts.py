@@ -220,8 +220,7 @@ def build(
         raise OnnxGradError(f"accumulation_steps must be a positive integer, got {accumulation_steps}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise OnnxGradError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
-    parsed = parse(model)                       # loaded and validated once: the steps share its facts
-    forward_in = to_eval_mode(parsed)
+    forward_in = to_eval_mode(parse(model))    # loaded and validated once (and not kept: eval mode is a copy)
     if callable(loss):
         loss_model = parse(loss(forward_in.proto))      # the loss's nodes appended, validated
         loss_name = getattr(loss, "name", "loss")
