@@ -175,7 +175,9 @@ class _Pass:
         self._allowed: dict[int, tuple[int, ...]] = {}         # differentiable positions, by id(node)
         facts = self.objective.facts
         for node in self.nodes:
-            rule, positions, outer_reads, no_rule_reason, _ = facts[id(node)]
+            fact = facts[id(node)]
+            rule, positions, outer_reads = fact.rule, fact.positions, fact.outer_reads
+            no_rule_reason = fact.no_rule_reason
             self._allowed[id(node)] = positions
             needed = {i for i in positions if node.input[i] in requires}
             inner = outer_reads & requires

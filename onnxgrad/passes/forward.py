@@ -163,7 +163,9 @@ class _ForwardPass:
             outs = [o for o in node.output if o in self.reach and M.is_float(self.infos.get(o))]
             if not outs:
                 continue
-            rule, positions, outer_reads, no_rule_reason, _ = self.facts[id(node)]
+            fact = self.facts[id(node)]
+            rule, positions, outer_reads = fact.rule, fact.positions, fact.outer_reads
+            no_rule_reason = fact.no_rule_reason
             dxs = [self.tangent.get(x) if i in positions and x else None for i, x in enumerate(node.input)]
             inner = outer_reads & set(self.tangent)
             if all(d is None for d in dxs) and not inner:
