@@ -7,6 +7,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from safetensors.numpy import load_file
 
 import onnxgrad
 from onnxgrad.ir.load import runtime_max_opset
@@ -191,7 +192,7 @@ def test_optimize_for_and_recompute_reach_the_gradient_and_the_training_models(t
     assert "rewritten for onnxruntime cpu" in capsys.readouterr().out
     train = onnx.load(tmp_path / "cnn.train.onnx")
     assert TrainingSpec.of(train).recompute and any("/conv_weight_grad_patches/" in n.name for n in train.graph.node)
-    # three steps of each, driven by hand from their init.npz as a user would: the same losses and weights
+    # three steps of each, driven by hand from their state files as a user would: the same losses and weights
     # (SGD: Adam turns the rounding noise of a gradient that is exactly zero, the conv bias before a batch
     # norm, into steps of the learning rate's size, in PyTorch too)
     for out, flags in (("cnn.train.onnx", ["--optimize-for", "cpu", "--recompute"]), ("canonical.train.onnx", [])):
@@ -209,7 +210,7 @@ def test_optimize_for_and_recompute_reach_the_gradient_and_the_training_models(t
         sess = ort.InferenceSession(model_proto.SerializeToString(), providers=["CPUExecutionProvider"],
                                     disabled_optimizers=list(ORT_DISABLED_OPTIMIZERS))
         names = [o.name for o in sess.get_outputs()]
-        held = dict(np.load(tmp_path / f"{stem}.init.npz"))
+        held = load_file(tmp_path / f"{stem.split('.')[0]}.state.safetensors")
         held = {k: v for k, v in held.items() if k not in (spec.lr, spec.step)}
         pairs = {**spec.params, **{r: o for r, (_, o) in spec.buffers.items()},
                  **{i: o for st in spec.state.values() for i, o in st.values()}}

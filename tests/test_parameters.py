@@ -14,6 +14,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
+from safetensors.numpy import load_file
 
 import onnxgrad
 from onnxgrad import TrainingSession, losses, optim
@@ -334,8 +335,7 @@ def test_cli_training_artifacts_train_mode_by_default(tmp_path, capsys):
                                                      "block.bn1.running_mean", "block.bn1.running_var",
                                                      "block.bn2.running_mean", "block.bn2.running_var"}
     ref = dict(np.load(MODELS / "train_step" / "cnn_legacy.npz"))
-    with np.load(tmp_path / "cnn.train.init.npz") as z:
-        feeds = {k: z[k] for k in z.files}
+    feeds = load_file(tmp_path / "cnn.state.safetensors")
     opts = ort.SessionOptions()
     opts.log_severity_level = 2           # warnings would show initializers that are also inputs
     sess = ort.InferenceSession(train.SerializeToString(), opts, providers=["CPUExecutionProvider"])

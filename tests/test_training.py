@@ -1,4 +1,5 @@
 """TrainingSession, the training artifacts and the optimizers: PyTorch trajectories, checkpoints, NaN handling, CLI."""
+import hashlib
 import io
 import json
 import os
@@ -13,12 +14,13 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, numpy_helper
+from safetensors.numpy import load_file
 
 import onnxgrad
 from mlp_batches import DATA, assert_unchanged, batch, poisoned
 from onnxgrad import TrainingSession, losses, optim
 from onnxgrad.tools.cli import main as cli_main
-from onnxgrad.training import artifacts
+from onnxgrad.training import artifacts, state
 from onnxgrad.training.session import CheckpointMismatchError, CorruptCheckpointError, NonFiniteError, NonFiniteWarning
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -412,35 +414,70 @@ def test_resume_gives_bitwise_identical_steps(tmp_path, optimizer):
         np.testing.assert_array_equal(value, expected[name])
 
 
-def test_a_version_1_checkpoint_holding_pytorchs_state_values_resumes(tmp_path):
-    """Checkpoints of format version 1 hold the optimizer state as PyTorch's values (no "state_scale"):
-    read into a session that holds Adam's moments scaled, they give the same steps (up to the rounding of
-    the scale)."""
-    s = trained()
-    path, old = tmp_path / "v2", tmp_path / "v1"
-    s.save(path)
-    with zipfile.ZipFile(path) as z:
-        header = json.loads(z.read("header.json"))
-        members = {name: z.read(name) for name in z.namelist()}
-    assert header["version"] == 2 and header["state_scale"] == s.spec.state_scale
+def _legacy_zip_checkpoint(s: TrainingSession, path, version: int) -> None:
+    """What ``TrainingSession.save`` wrote before the state file: a zip of a JSON header, the model and one
+    ``.npy`` per array; version 1 held PyTorch's optimizer state values, version 2 the graph's ("state_scale")."""
+    arrays = [({"kind": "param", "name": p}, s._cur[p].numpy()) for p in s.spec.params]
     pytorch = s.optimizer_state()
-    header["version"] = 1
-    del header["state_scale"]
-    with zipfile.ZipFile(old, "w") as z:
-        for name, data in members.items():
-            if name.startswith("arrays/"):
-                meta = header["arrays"][int(name[len("arrays/"):-len(".npy")])]
-                if meta["kind"] == "state":
-                    buf = io.BytesIO()
-                    np.lib.format.write_array(buf, pytorch[meta["param"]][meta["state"]], allow_pickle=False)
-                    data = buf.getvalue()
-            z.writestr(name, json.dumps(header) if name == "header.json" else data)
+    for p, st in s.spec.state.items():
+        for k, (i, _) in st.items():
+            arrays.append(({"kind": "state", "param": p, "state": k},
+                           pytorch[p][k] if version == 1 else s._cur[i].numpy()))
+    model = s._stripped_model().SerializeToString()
+    header = {"format": "onnxgrad-checkpoint", "version": version, "step_count": s.step_count, "skipped_steps": 0,
+              "lr": s.lr, "micro": 0, "poisoned": False, "loss": s.spec.loss, "optimizer": s.spec.optimizer,
+              "frozen": s.spec.frozen, "trainable": list(s.spec.params), "train_mode": s.spec.train_mode,
+              "keep_grads": False, "strict_tags": False, "recompute": False, "clip_grad_norm": None,
+              "accumulation_steps": 1, "on_nonfinite": "raise", "model_sha256": hashlib.sha256(model).hexdigest(),
+              "arrays": [dict(meta, shape=list(a.shape), dtype=a.dtype.str) for meta, a in arrays]}
+    if version >= 2:
+        header["state_scale"] = s.spec.state_scale
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("header.json", json.dumps(header))
+        z.writestr("model.onnx", model)
+        for k, (_, a) in enumerate(arrays):
+            buf = io.BytesIO()
+            np.lib.format.write_array(buf, a, allow_pickle=False)
+            z.writestr(f"arrays/{k}.npy", buf.getvalue())
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_checkpoint_of_the_earlier_zip_format_resumes(tmp_path, version):
+    """Checkpoints written before the state file (a zip; version 1 holding PyTorch's optimizer state values, 2
+    the graph's scaled ones) load and give the same steps (up to the rounding of the scale)."""
+    s = trained()
+    old = tmp_path / f"v{version}"
+    _legacy_zip_checkpoint(s, old, version)
+    pytorch = s.optimizer_state()
     r = TrainingSession.load(old)
+    assert r.step_count == s.step_count and r.lr == s.lr
     for p, st in r.optimizer_state().items():
         for k, v in st.items():
             np.testing.assert_allclose(v, pytorch[p][k], rtol=1e-6, atol=0, err_msg=f"{p}.{k}")
     np.testing.assert_allclose([r.step(batch(step)) for step in (3, 4)], [s.step(batch(step)) for step in (3, 4)],
                                rtol=1e-6)
+
+
+def test_a_checkpoint_is_a_safetensors_state_file(tmp_path):
+    """The checkpoint is the state file of docs/artifacts.md: any safetensors reader gets every state input of
+    the training model by name, lr and step in their canonical types, and the spec that names them."""
+    from safetensors.numpy import load_file
+
+    s = trained()
+    s.lr = 0.02
+    path = tmp_path / "ckpt.safetensors"
+    s.save(path)
+    tensors = load_file(path)
+    spec = s.spec
+    state_inputs = [i for st in spec.state.values() for i, _ in st.values()]
+    assert set(tensors) == {*spec.params, *state_inputs, "lr", "step", "onnxgrad.model"}
+    assert tensors["lr"].dtype == np.float32 and tensors["lr"].shape == () and tensors["lr"] == np.float32(0.02)
+    assert tensors["step"].dtype == np.int64 and tensors["step"] == s.step_count + 1
+    for name in (*spec.params, *state_inputs):
+        np.testing.assert_array_equal(tensors[name], s._cur[name].numpy())
+    meta = state.read(path).metadata
+    assert meta["format"] == "onnxgrad-state" and meta["version"] == "1"
+    assert json.loads(meta["training"])["params"] == spec.params
 
 
 def test_resume_mid_accumulation(tmp_path):
@@ -473,17 +510,15 @@ def test_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     s.save(path)
     saved = path.read_bytes()
     s.step(batch(3))
-    calls = []
+    real = state.atomic_write
 
-    def failing_write_array(f, arr, **kw):
-        calls.append(1)
-        if len(calls) == 3:
-            f.write(b"half an array")
+    def half_then_disk_full(target, write):
+        def failing(f):
+            f.write(b"half a state file")
             raise OSError("disk full")
-        return real(f, arr, **kw)
+        real(target, failing)
 
-    real = np.lib.format.write_array
-    monkeypatch.setattr(np.lib.format, "write_array", failing_write_array)
+    monkeypatch.setattr(state, "atomic_write", half_then_disk_full)
     with pytest.raises(OSError, match="disk full"):
         s.save(path)
     assert path.read_bytes() == saved
@@ -497,19 +532,19 @@ def test_process_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
         import os, sys, numpy as np, onnx
         sys.path.insert(0, {str(ROOT / 'tests')!r})
         from test_training import trained
+        from onnxgrad.training import state
         s = trained()
         s.save({str(path)!r})
         print("saved", flush=True)
         s.step({{"x": np.ones((16, 8), np.float32), "y": np.zeros(16, np.int64)}})
-        real, calls = np.lib.format.write_array, []
-        def dying(f, arr, **kw):
-            calls.append(1)
-            if len(calls) == 4:
+        real = state.atomic_write
+        def dying(target, write):
+            def partial(f):
                 f.write(b"partial")
                 f.flush()
                 os._exit(9)             # killed mid-write: no cleanup, no exception handling
-            return real(f, arr, **kw)
-        np.lib.format.write_array = dying
+            real(target, partial)
+        state.atomic_write = dying
         s.save({str(path)!r})
     """)
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
@@ -532,16 +567,25 @@ def test_corrupt_checkpoints_raise_a_clear_error(tmp_path):
     truncated.write_bytes(data[: len(data) // 2])
     flipped = tmp_path / "flipped"
     damaged = bytearray(data)
-    at = data.index(b"arrays/0.npy") + 200            # inside the first array's data
-    damaged[at] ^= 0xFF
+    damaged[-100] ^= 0xFF                             # inside the tensors' data (the model, written last)
     flipped.write_bytes(bytes(damaged))
     foreign = tmp_path / "foreign"
     foreign.write_bytes(b"not a checkpoint at all")
-    for bad in (truncated, flipped, foreign):
-        with pytest.raises(CorruptCheckpointError):
+    other = tmp_path / "other.safetensors"
+    foreign_safetensors(other)
+    for bad, why in ((truncated, "not a safetensors file"), (flipped, "do not match their checksum"),
+                     (foreign, "not a safetensors file"), (other, "not an onnxgrad state file")):
+        with pytest.raises(CorruptCheckpointError, match=why):
             TrainingSession.load(bad)
     with pytest.raises(onnxgrad.OnnxGradError, match="no checkpoint"):
         TrainingSession.load(tmp_path / "missing")
+
+
+def foreign_safetensors(path) -> None:
+    """A safetensors file that is not a state file (another program's weights)."""
+    from safetensors.numpy import save_file
+
+    save_file({"w": np.zeros(3, np.float32)}, str(path))
 
 
 def test_mismatched_checkpoint_raises(tmp_path):
@@ -604,7 +648,7 @@ def test_training_model_runs_in_plain_onnxruntime_and_matches_the_session():
 ], ids=["mlp", "cnn_bn"])
 def test_written_artifacts_fed_their_next_outputs_back_train_as_the_session(tmp_path, capsys, path, predictions,
                                                                              target, data):
-    """The README's loop, word for word: start from model.train.init.npz and feed every ``<name>.next`` output
+    """The README's loop, word for word: start from model.state.safetensors and feed every ``<name>.next`` output
     back as ``<name>`` (``step`` included: AdamW's bias correction reads it), nothing else."""
     model = tmp_path / "model.onnx"
     onnx.save(onnx.load(path), model)
@@ -613,7 +657,7 @@ def test_written_artifacts_fed_their_next_outputs_back_train_as_the_session(tmp_
     capsys.readouterr()
     sess = ort.InferenceSession(str(tmp_path / "model.train.onnx"), providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
-    state = dict(np.load(tmp_path / "model.train.init.npz"))
+    state = load_file(tmp_path / "model.state.safetensors")
     losses_fed = []
     for k in range(5):
         out = dict(zip(names, sess.run(None, {**data(k), **state})))
@@ -643,8 +687,10 @@ def test_written_accumulation_artifacts_follow_the_readme_loop(tmp_path, capsys)
     capsys.readouterr()
     runs = {stem: ort.InferenceSession(str(tmp_path / f"mlp.{stem}.onnx"), providers=["CPUExecutionProvider"])
             for stem in ("accumulate", "train")}
-    state = dict(np.load(tmp_path / "mlp.train.init.npz"))
-    zeros = {k: v for k, v in state.items() if k.endswith(".grad_acc")}
+    state = load_file(tmp_path / "mlp.state.safetensors")
+    spec = artifacts.TrainingSpec.of(onnx.load(tmp_path / "mlp.train.onnx"))
+    zeros = {i: np.zeros_like(state[p]) for p, (i, _) in spec.accumulators.items()}     # each update's start
+    state.update(zeros)
     for k in range(3):
         for stem, half in (("accumulate", slice(0, 2)), ("train", slice(2, 4))):
             sess = runs[stem]
@@ -711,8 +757,7 @@ def test_cli_writes_training_and_eval_models(tmp_path, capsys):
     assert "lr: float32 []" in out and "0.weight.next: float32 [16, 8]" in out and "finite: bool []" in out
     spec = artifacts.TrainingSpec.of(train)
     assert spec.optimizer["type"] == "AdamW" and spec.optimizer["lr"] == 0.01
-    with np.load(tmp_path / "mlp.train.init.npz") as z:
-        initial = {k: z[k] for k in z.files}
+    initial = load_file(tmp_path / "mlp.state.safetensors")
     assert set(initial) == {i.name for i in train.graph.input} - {"x", "y"}
     results, _ = run_guarded(train, [batch(i) for i in range(3)], 0.01, initial)
     s = TrainingSession(mlp_model(), loss=ce(), optimizer=optim.AdamW(lr=0.01), clip_grad_norm=5)
@@ -786,3 +831,21 @@ def test_the_build_leaves_the_users_node_names_as_they_were(tmp_path):
     s.step({"x": np.ones((4, 3), np.float32)})
     s.save(tmp_path / "ck")
     TrainingSession(m, loss="loss", optimizer=optim.SGD(lr=0.1)).restore(tmp_path / "ck")
+
+
+def test_the_command_lines_state_file_restores_into_a_session(tmp_path, capsys):
+    """The CLI's initial state is a checkpoint at step 0: a session of the same model and optimizer restores it
+    (the fingerprints agree), trains from it as from its own start, and TrainingSession.load says what is missing."""
+    model = tmp_path / "mlp.onnx"
+    onnx.save(mlp_model(), model)
+    assert cli_main([str(model), "--loss-fn", "cross_entropy", "--target", "y", "--optimizer", "adamw",
+                     "--lr", "0.01"]) == 0
+    capsys.readouterr()
+    s = TrainingSession(mlp_model(), loss=ce(), optimizer=optim.AdamW(lr=0.01))
+    s.restore(tmp_path / "mlp.state.safetensors")
+    fresh = TrainingSession(mlp_model(), loss=ce(), optimizer=optim.AdamW(lr=0.01))
+    assert [s.step(batch(k)) for k in range(2)] == [fresh.step(batch(k)) for k in range(2)]
+    with pytest.raises(onnxgrad.OnnxGradError, match=r"holds the state but not the model.*\.restore\(path\)"):
+        TrainingSession.load(tmp_path / "mlp.state.safetensors")
+    with pytest.raises(CheckpointMismatchError, match="optimizer is AdamW"):
+        TrainingSession(mlp_model(), loss=ce(), optimizer=optim.SGD(lr=0.01)).restore(tmp_path / "mlp.state.safetensors")

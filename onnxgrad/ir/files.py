@@ -224,13 +224,6 @@ def runnable(model: onnx.ModelProto) -> Iterator["bytes | str"]:
         yield path
 
 
-def save_arrays(arrays: "dict[str, Any]", path: str) -> None:
-    """Save named arrays as an ``.npz`` file (numpy.load reads it), atomically."""
-    import numpy as np
-
-    atomic_write(path, lambda f: np.savez(f, **{k: np.asarray(v) for k, v in arrays.items()}))
-
-
 # initializers at least this large are left out of a skeleton (data_prop reads only small ones)
 _SKELETON_THRESHOLD = 1 << 20
 

@@ -20,7 +20,7 @@ from collections import Counter
 from typing import Sequence
 
 from ..errors import OnnxGradError
-from ..ir.files import save_arrays, save_model
+from ..ir.files import save_model
 from ..passes.optimize import TARGETS
 
 CHECK_TOLERANCE = 1e-3
@@ -366,11 +366,11 @@ def run_train(args: argparse.Namespace) -> int:
                           guard=True, defaults=False, train_mode=not args.eval_mode, target=args.optimize_for,
                           recompute=args.recompute)
     build_s = time.perf_counter() - t0
-    init_path = (out_path[:-5] if out_path.endswith(".onnx") else out_path) + ".init.npz"
+    init_path = (out_path[:-11] if out_path.endswith(".train.onnx") else stem) + ".state.safetensors"
     _save(art.train, out_path)
     _save(art.eval, eval_path)
     try:
-        save_arrays(art.initial_values(), init_path)
+        art.save_state(init_path)
     except OSError as e:
         raise OnnxGradError(f"cannot write '{init_path}': {e.strerror or e}") from None
     spec = art.spec
@@ -378,8 +378,8 @@ def run_train(args: argparse.Namespace) -> int:
           "one run per step" + (", BatchNormalization/Dropout in train mode" if spec.train_mode else "") + ")")
     print(f"wrote {eval_path} (eval: forward outputs; parameters{' and running statistics' if spec.buffers else ''} "
           "are required inputs)")
-    print(f"wrote {init_path} (the value of every state input before the first step; feed each "
-          "<name>.next output back as <name>)")
+    print(f"wrote {init_path} (the state file, safetensors: every state input's value before the first step; "
+          "feed each <name>.next output back as <name>)")
     if art.accumulate is not None:
         _save(art.accumulate, acc_path)
         print(f"wrote {acc_path} (accumulation: adds one micro-batch's gradients to the <param>.grad_acc inputs)")

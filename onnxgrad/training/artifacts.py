@@ -174,8 +174,20 @@ class TrainingArtifacts:
             values[i] = np.zeros(self.initial_params[p].shape, self.initial_params[p].dtype)
         if spec.lr:
             values[spec.lr] = np.array(spec.optimizer["lr"], np.float32)
-            values[spec.step] = np.array(1, np.int64)
+            step = next(i for i in self.train.graph.input if i.name == spec.step)
+            values[spec.step] = np.array(1, helper.tensor_dtype_to_np_dtype(step.type.tensor_type.elem_type))
         return values
+
+    def save_state(self, path: str | os.PathLike) -> None:
+        """Write the state file of docs/artifacts.md: every state input's value before the first step (the
+        accumulators start from zeros and are left out), the spec, and the fingerprint of the model."""
+        from . import state
+
+        accumulators = {i for i, _ in self.spec.accumulators.values()}
+        values = {k: v for k, v in self.initial_values().items() if k not in accumulators}
+        trained = [*self.spec.params, *self.spec.buffers]
+        state.write(path, values, {"training": self.spec.to_json(),
+                                   "model_sha256": state.fingerprint(self.loss_model, trained)})
 
 
 def build(

@@ -28,13 +28,10 @@ worker keeps the fused single-run step.
 """
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import math
 import os
 import warnings
-import zipfile
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -42,33 +39,22 @@ import onnx
 from onnx import helper, numpy_helper
 
 from ..errors import OnnxGradError, UnknownNameError
-from ..ir.files import NO_DATA, atomic_write, runnable, save_model, stripped
+from ..ir.files import NO_DATA, runnable, save_model, stripped
 from ..passes.optimize import provider_name, target_for
 from ..passes.recompute import ORT_DISABLED_OPTIMIZERS
 from ..runtime import onnxruntime
 from . import artifacts as A
 from . import distributed as D
 from . import losses as L
+from . import state as S
 from .optim import Optimizer, from_config
 
 __all__ = ["TrainingSession", "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError",
            "NonFiniteError", "NonFiniteWarning", "DeviceError", "DeviceFallbackWarning", "StepReadbackError"]
 
-CHECKPOINT_FORMAT = "onnxgrad-checkpoint"
-CHECKPOINT_VERSION = 2          # 2: optimizer state as the graph holds it, with the header's "state_scale"
-READS_VERSIONS = (1, 2)         # 1: PyTorch's state values
-
-
-class CheckpointError(OnnxGradError):
-    """A checkpoint cannot be used."""
-
-
-class CorruptCheckpointError(CheckpointError):
-    """The file is not a readable onnxgrad checkpoint (truncated, damaged, or another format)."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """The checkpoint belongs to another model, parameter set or optimizer than this session's."""
+# the checkpoint errors are the state file's (onnxgrad.training.state), exported here as before
+CheckpointError, CorruptCheckpointError, CheckpointMismatchError = (S.CheckpointError, S.CorruptCheckpointError,
+                                                                   S.CheckpointMismatchError)
 
 
 class NonFiniteError(OnnxGradError):
@@ -599,7 +585,10 @@ class TrainingSession:
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
-        """Write weights, optimizer state, step count and the model to ``path``, atomically.
+        """Write a checkpoint to ``path``, atomically: the state file of docs/artifacts.md (safetensors: weights,
+        running statistics, optimizer state, ``lr`` and ``step`` by the training model's input names; the training
+        spec) with this session's counters and options and its model, so that :meth:`load` needs nothing else and
+        the JavaScript session (or any safetensors reader) can continue from it.
 
         The file is written beside ``path`` under a temporary name, flushed to disk
         and renamed over ``path``: a crash mid-save leaves the previous file intact.
@@ -613,131 +602,126 @@ class TrainingSession:
                                   "the update (when step_count changes)")
         if self.rank != 0:
             return
-        arrays: list[tuple[dict, np.ndarray]] = []
-        for p in self.spec.params:
-            arrays.append(({"kind": "param", "name": p}, self._cur[p].numpy()))
-        for r in self.spec.buffers:
-            arrays.append(({"kind": "buffer", "name": r}, self._cur[r].numpy()))
-        for p, st in self.spec.state.items():      # as the graph holds them: "state_scale" in the header
-            for s, (i, _) in st.items():
-                arrays.append(({"kind": "state", "param": p, "state": s}, self._cur[i].numpy()))
-        if self.spec.accumulation_steps > 1 and self._acc_valid:
+        spec = self.spec
+        names = [*spec.params, *spec.buffers, *(i for st in spec.state.values() for i, _ in st.values())]
+        tensors = {name: self._cur[name].numpy() for name in names}
+        metadata = {}
+        if spec.accumulation_steps > 1 and self._acc_valid:
             src = self._acc_bufs[self._acc_parity]
-            for p, (i, _) in self.spec.accumulators.items():
-                arrays.append(({"kind": "grad_acc", "param": p}, src[i].numpy()))
+            tensors.update({i: src[i].numpy() for i, _ in spec.accumulators.values()})
+            metadata["accumulated"] = str(self._micro)
+        tensors[S.LR] = np.array(self.lr, np.float32)          # as the training model's inputs take them
+        tensors[S.STEP] = np.array(self.step_count + 1, np.int64)
         model_bytes = self._stripped_model().SerializeToString()
-        header = {
-            "format": CHECKPOINT_FORMAT,
-            "version": CHECKPOINT_VERSION,
-            "step_count": self.step_count,
+        tensors[S.MODEL_TENSOR] = np.frombuffer(model_bytes, np.uint8)
+        options = {
+            "lr": self.lr,                  # exactly (the tensor holds what the model reads: float32)
             "skipped_steps": self.skipped_steps,
-            "lr": self.lr,
-            "micro": self._micro,
             "poisoned": self._poisoned,
-            "loss": self.spec.loss,
-            "optimizer": self.spec.optimizer,
-            "frozen": self.spec.frozen,
-            "trainable": list(self.spec.params),
-            "train_mode": self.spec.train_mode,
-            "keep_grads": bool(self.spec.grads),
+            "loss": spec.loss,
+            "frozen": spec.frozen,
+            "trainable": list(spec.params),
+            "train_mode": spec.train_mode,
+            "keep_grads": bool(spec.grads),
             "strict_tags": self._strict_tags,
-            "recompute": self.spec.recompute,
-            "state_scale": self.spec.state_scale,
-            "clip_grad_norm": self.spec.clip_grad_norm,
-            "accumulation_steps": self.spec.accumulation_steps,
+            "recompute": spec.recompute,
+            "clip_grad_norm": spec.clip_grad_norm,
+            "accumulation_steps": spec.accumulation_steps,
             "on_nonfinite": self.on_nonfinite,
-            "model_sha256": hashlib.sha256(model_bytes).hexdigest(),
-            "arrays": [dict(meta, shape=list(a.shape), dtype=a.dtype.str) for meta, a in arrays],
+            "optimizer": spec.optimizer,
         }
-
-        def write(f) -> None:
-            with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED, allowZip64=True) as z:
-                z.writestr("header.json", json.dumps(header, indent=1))
-                z.writestr("model.onnx", model_bytes)
-                for k, (_, a) in enumerate(arrays):
-                    with z.open(f"arrays/{k}.npy", "w", force_zip64=True) as member:
-                        # np.ascontiguousarray would turn a 0-d array into a 1-d one
-                        np.lib.format.write_array(member, np.asarray(a, order="C"), allow_pickle=False)
-
-        atomic_write(os.fspath(path), write)
+        S.write(path, tensors, {**metadata, "training": spec.to_json(), "session": json.dumps(options),
+                                "model_sha256": S.fingerprint(self._stripped_model(), ())})
 
     @classmethod
     def load(cls, path: str | os.PathLike, providers: Sequence[Any] | None = None,
              session_options: Any = None, data_parallel: "bool | str | D.Engine" = False) -> "TrainingSession":
-        """A session rebuilt from a checkpoint written by :meth:`save`, ready to continue training
-        (``data_parallel``: on every worker, from the file rank 0 wrote)."""
-        header, model_bytes, arrays = _read_checkpoint(os.fspath(path))
+        """A session rebuilt from a checkpoint written by :meth:`save` (or by an earlier onnxgrad), ready to
+        continue training (``data_parallel``: on every worker, from the file rank 0 wrote)."""
+        state = S.read(path)
+        model_bytes, options = state.model, state.session
+        if model_bytes is None or not options:
+            raise CheckpointError(f"'{os.fspath(path)}' holds the state but not the model (the command line and the "
+                                  "JavaScript session write such files): build the session from the model and "
+                                  "restore it, TrainingSession(model, loss=..., optimizer=...).restore(path)")
         model = onnx.ModelProto()
         try:
             model.ParseFromString(model_bytes)
-            params = {a["name"]: v for a, v in zip(header["arrays"], arrays) if a["kind"] in ("param", "buffer")}
-            _fill_initializers(model, params)
-            optimizer = from_config(header["optimizer"])
+            held = [*state.training["params"], *state.training.get("buffers", {})]
+            _fill_initializers(model, {n: state.tensors[n] for n in held})
+            optimizer = from_config(options["optimizer"])
         except CheckpointError:
             raise
         except Exception as e:
             raise CorruptCheckpointError(f"checkpoint '{os.fspath(path)}': cannot rebuild its model: "
                                          f"{type(e).__name__}: {e}") from None
-        s = cls(model, loss=header["loss"], optimizer=optimizer, providers=providers, frozen=header["frozen"],
-                trainable=header.get("trainable"), train_mode=header.get("train_mode", False),
-                keep_grads=header.get("keep_grads", False), clip_grad_norm=header["clip_grad_norm"],
-                accumulation_steps=header["accumulation_steps"], on_nonfinite=header["on_nonfinite"],
-                session_options=session_options, strict_tags=header.get("strict_tags", False),
-                data_parallel=data_parallel, recompute=header.get("recompute", False))
-        s._restore(header, arrays, os.fspath(path))
+        s = cls(model, loss=options["loss"], optimizer=optimizer, providers=providers, frozen=options["frozen"],
+                trainable=options.get("trainable"), train_mode=options.get("train_mode", False),
+                keep_grads=options.get("keep_grads", False), clip_grad_norm=options["clip_grad_norm"],
+                accumulation_steps=options["accumulation_steps"], on_nonfinite=options["on_nonfinite"],
+                session_options=session_options, strict_tags=options.get("strict_tags", False),
+                data_parallel=data_parallel, recompute=options.get("recompute", False))
+        s._restore(state, os.fspath(path))
         return s
 
     def restore(self, path: str | os.PathLike) -> None:
-        """Load a checkpoint of this same model and optimizer into this session."""
-        header, _, arrays = _read_checkpoint(os.fspath(path))
-        self._restore(header, arrays, os.fspath(path))
+        """Load a state file of this same model and optimizer into this session: a checkpoint of
+        :meth:`save`, the command line's initial state, or a checkpoint of the JavaScript session."""
+        self._restore(S.read(path), os.fspath(path))
 
-    def _restore(self, header: dict, arrays: list[np.ndarray], path: str) -> None:
-        spec = self.spec
+    def _restore(self, state: S.State, path: str) -> None:
+        spec, training, options = self.spec, state.training, state.session
         problems = []
-        mine = hashlib.sha256(self._stripped_model().SerializeToString()).hexdigest()
-        if header.get("model_sha256") != mine:
+        if state.metadata.get("model_sha256", "") != S.fingerprint(self._stripped_model(), ()):
             problems.append("it was saved from a different model (graph or frozen weights differ)")
-        if header.get("optimizer", {}).get("type") != spec.optimizer["type"]:
-            problems.append(f"its optimizer is {header.get('optimizer', {}).get('type')}, "
-                            f"this session's is {spec.optimizer['type']}")
-        if header.get("accumulation_steps") != spec.accumulation_steps:
-            problems.append(f"it accumulates over {header.get('accumulation_steps')} micro-batches, "
+        kind = training.get("optimizer", {}).get("type")
+        if kind != spec.optimizer["type"]:
+            problems.append(f"its optimizer is {kind}, this session's is {spec.optimizer['type']}")
+        accumulated = int(state.metadata.get("accumulated", options.get("micro", 0)))
+        if training.get("accumulation_steps", 1) != spec.accumulation_steps:
+            problems.append(f"it accumulates over {training.get('accumulation_steps', 1)} micro-batches, "
                             f"this session over {spec.accumulation_steps}")
-        elif self._split and header.get("micro", 0):
-            problems.append(f"it was saved after {header.get('micro')} micro-batches of an update, and a "
+        elif self._split and accumulated:
+            problems.append(f"it was saved after {accumulated} micro-batches of an update, and a "
                             "data-parallel session resumes at an update boundary")
+        saved_state = {i: (p, s) for p, st in training.get("state", {}).items() for s, (i, _) in st.items()}
+        saved_scale = training.get("state_scale", {})
+        accumulators = {i for i, _ in spec.accumulators.values()}
         values: dict[str, np.ndarray] = {}
         accs: dict[str, np.ndarray] = {}
-        for meta, a in zip(header["arrays"], arrays):
-            if meta["kind"] in ("param", "buffer"):
-                values[meta["name"]] = a
-            elif meta["kind"] == "state":
-                st = spec.state.get(meta["param"], {}).get(meta["state"])
-                if st is None:
-                    problems.append(f"it holds state '{meta['state']}' of '{meta['param']}', unknown here")
+        for name, a in state.tensors.items():
+            if name in (S.MODEL_TENSOR, S.LR, S.STEP):
+                continue
+            if name in saved_state:
+                p, s = saved_state[name]
+                mine = spec.state.get(p, {}).get(s)
+                if mine is None:
+                    problems.append(f"it holds state '{s}' of '{p}', unknown here")
                 else:
-                    saved = header.get("state_scale", {}).get(meta["param"], {}).get(meta["state"])
-                    values[st[0]] = _rescaled(a, saved, self._state_scale(meta["param"], meta["state"]))
-            elif meta["kind"] == "grad_acc" and meta["param"] in spec.accumulators:
-                accs[spec.accumulators[meta["param"]][0]] = a
+                    values[mine[0]] = _rescaled(a, saved_scale.get(p, {}).get(s), self._state_scale(p, s))
+            elif name in accumulators:
+                accs[name] = a
+            elif name in self._cur:
+                values[name] = a
+            else:
+                problems.append(f"it holds '{name}', which this session does not train")
         missing = [n for n in self._cur if n not in values]
         if missing:
             problems.append(f"it lacks {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
         for name, a in values.items():
-            if name in self._cur:
-                ref = self._layout[name]
-                if tuple(a.shape) != ref[0] or a.dtype != ref[1]:
-                    problems.append(f"'{name}' is {a.dtype}{list(a.shape)} there, {ref[1]}{list(ref[0])} here")
+            ref = self._layout[name]
+            if tuple(a.shape) != ref[0] or a.dtype != ref[1]:
+                problems.append(f"'{name}' is {a.dtype}{list(a.shape)} there, {ref[1]}{list(ref[0])} here")
         if problems:
             raise CheckpointMismatchError(f"checkpoint '{path}' does not fit this session: " + "; ".join(problems))
         for name, a in values.items():
             self._set_current(name, self._device_value(a))
-        self.step_count = int(header["step_count"])
-        self.skipped_steps = int(header.get("skipped_steps", 0))
-        self.lr = float(header["lr"])
-        self._micro = int(header.get("micro", 0))
-        self._poisoned = bool(header.get("poisoned", False))
+        self.step_count = int(state.tensors[S.STEP]) - 1
+        lr = state.tensors[S.LR]           # what the model reads; the Python float it was, while it still is
+        self.lr = options["lr"] if "lr" in options and np.float32(options["lr"]) == lr else float(lr)
+        self.skipped_steps = int(options.get("skipped_steps", 0))
+        self._micro = accumulated if accs else 0
+        self._poisoned = bool(options.get("poisoned", False))
         if spec.accumulation_steps > 1:
             self._acc_parity, self._acc_valid = 0, bool(accs)
             for name, a in accs.items():
@@ -1001,33 +985,6 @@ def _device_of(sess: Any) -> tuple[str, int]:
         options = sess.get_provider_options().get(used[0], {})
         return "cuda", int(options.get("device_id", 0) or 0)
     return "cpu", 0
-
-
-def _read_checkpoint(path: str) -> tuple[dict, bytes, list[np.ndarray]]:
-    if not os.path.isfile(path):
-        raise CheckpointError(f"no checkpoint at '{path}'")
-    try:
-        with zipfile.ZipFile(path) as z:
-            header = json.loads(z.read("header.json"))
-            if header.get("format") != CHECKPOINT_FORMAT:
-                raise CorruptCheckpointError(f"'{path}' is not an onnxgrad checkpoint")
-            if header.get("version") not in READS_VERSIONS:
-                raise CorruptCheckpointError(f"checkpoint '{path}' has format version {header.get('version')}; "
-                                             f"this onnxgrad reads versions {', '.join(map(str, READS_VERSIONS))}")
-            model_bytes = z.read("model.onnx")
-            if hashlib.sha256(model_bytes).hexdigest() != header.get("model_sha256"):
-                raise CorruptCheckpointError(f"checkpoint '{path}': its model does not match its checksum")
-            arrays = []
-            for k, meta in enumerate(header["arrays"]):
-                a = np.lib.format.read_array(io.BytesIO(z.read(f"arrays/{k}.npy")), allow_pickle=False)
-                if list(a.shape) != list(meta["shape"]) or a.dtype.str != meta["dtype"]:
-                    raise CorruptCheckpointError(f"checkpoint '{path}': array {k} does not match its header")
-                arrays.append(a)
-    except CheckpointError:
-        raise
-    except Exception as e:  # zipfile, json, numpy: a damaged or foreign file
-        raise CorruptCheckpointError(f"cannot read checkpoint '{path}': {type(e).__name__}: {e}") from None
-    return header, model_bytes, arrays
 
 
 def _fill_initializers(model: onnx.ModelProto, values: Mapping[str, np.ndarray]) -> None:
