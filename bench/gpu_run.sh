@@ -10,6 +10,7 @@
 #
 # Parts, each under `timeout` and all within TOTAL_S seconds (default 550: a device call's 600 s, less margin):
 #   0. bench/gpu_correctness.py, when it exists (issue 24's checks), capped at CORRECTNESS_S (240);
+#   0b. tests/test_cuda.py five times over (issue 35: the CUDA tests pass 5 runs of 5), TESTS_S (60);
 #   1. bench/bench_step_cuda.py: every model's step against PyTorch eager / torch.compile, STEP_S (180);
 #   2. bench/bench_rewrites_cuda.py: the gradient forms per shape, FORMS_S (80);
 #   3. bench/bench_rewrites_cuda.py --only-profile: where ResNet-18's step spends its time, PROFILE_S (50).
@@ -28,6 +29,7 @@ CORRECTNESS_S=${CORRECTNESS_S:-240}
 STEP_S=${STEP_S:-180}
 FORMS_S=${FORMS_S:-80}
 PROFILE_S=${PROFILE_S:-50}
+TESTS_S=${TESTS_S:-60}
 START=$SECONDS
 
 if [[ -z "$SMOKE" ]]; then
@@ -63,6 +65,10 @@ run() {
 
 if [[ -f bench/gpu_correctness.py ]]; then
   run correctness "$CORRECTNESS_S" "$PYTHON" bench/gpu_correctness.py $SMOKE
+fi
+# five runs of the CUDA tests (skipped in --smoke: they skip without a GPU)
+if [[ -z "$SMOKE" ]]; then
+  run cuda_tests "$TESTS_S" bash -c 'for i in 1 2 3 4 5; do "$0" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -n 3; done' "$PYTHON"
 fi
 # the issue's two hardest models first: a run cut short still has them
 # shellcheck disable=SC2086  # $SMOKE, STEP_ARGS and FORMS_ARGS split into words on purpose

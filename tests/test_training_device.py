@@ -355,3 +355,22 @@ except RuntimeMissingError as e:
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
     assert r.returncode == 0, r.stderr[-2000:]
     assert 'TrainingSession runs on onnxruntime, which is not installed: pip install "onnxgrad[cpu]"' in r.stdout
+
+
+def test_cuda_computes_float32_in_float32_unless_told_otherwise():
+    # onnxruntime's CUDA default is TF32 (on an H200 a BatchNorm ResNet's 5 steps ended 4.7e-3 off the CPU's)
+    assert T.float32_providers(["CUDAExecutionProvider", "CPUExecutionProvider"]) == [
+        ("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+    assert T.float32_providers([("CUDAExecutionProvider", {"device_id": 1, "use_tf32": "1"})]) == [
+        ("CUDAExecutionProvider", {"device_id": 1, "use_tf32": "1"})]
+    assert T.float32_providers(["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+
+
+@pytest.mark.parametrize("stem", TRAIN_STEPS)
+def test_cuda_target_leaves_no_conv_transpose_to_the_cpu_provider(stem, monkeypatch):
+    # a strided Conv's input gradient: a ConvTranspose with asymmetric pads, which the CUDA provider hands to the
+    # CPU provider; the cuda target writes it with symmetric pads and output_padding (computed as the CPU's above)
+    cuda, _ = bn_session(stem, "cuda", monkeypatch)
+    canonical, _ = bn_session(stem, None, monkeypatch)
+    assert [r for r in cuda_refusals(canonical.artifacts.train) if "ConvTranspose" in r]
+    assert cuda_refusals(cuda.artifacts.train) == []

@@ -90,6 +90,22 @@ def default_providers() -> list[str]:
     return ["CPUExecutionProvider"]
 
 
+def float32_providers(providers: Sequence[Any]) -> list[Any]:
+    """``providers`` with onnxruntime's CUDA provider computing float32 in float32: its default is TF32 for
+    Conv and MatMul (10-bit mantissas), which put a BatchNorm ResNet's training 4.7e-3 off the CPU's after
+    5 steps and 2.3e-7 with ``use_tf32=0`` (bench/gpu_bisect.py on an H200). PyTorch's float32 matmuls are
+    exact by default too. A ``use_tf32`` the caller gives is kept: ``("CUDAExecutionProvider",
+    {"use_tf32": "1"})`` trades those digits for speed."""
+    out = []
+    for p in providers:
+        if provider_name(p) == "CUDAExecutionProvider":
+            options = dict(p[1]) if isinstance(p, (tuple, list)) and len(p) > 1 else {}
+            options.setdefault("use_tf32", "0")
+            p = ("CUDAExecutionProvider", options)
+        out.append(p)
+    return out
+
+
 class TrainingSession:
     """Train an ONNX model with onnxruntime.
 
@@ -163,6 +179,7 @@ class TrainingSession:
                 self._options = ort.SessionOptions()       # share the machine's cores among its workers
                 self._options.log_severity_level = 3
                 self._options.intra_op_num_threads = max(1, (os.cpu_count() or 1) // self._engine.local_world_size)
+        self._providers = float32_providers(self._providers)
         self.rank = self._engine.rank if self._engine else 0
         self.world_size = self._engine.world_size if self._engine else 1
         target = target_for(self._providers)

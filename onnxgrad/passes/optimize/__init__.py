@@ -29,7 +29,13 @@ import onnx
 
 from ...errors import OnnxGradError
 from .batch_norm import BATCH_NORM_TRAINING_AS_OPS, BATCH_NORM_TRAINING_AS_OPS_BACKWARD
-from .conv import CONV_FORWARD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, CONV_WEIGHT_GRAD_PATCHES
+from .conv import (
+    CONV_FORWARD_PATCHES,
+    CONV_INPUT_GRAD_COL2IM,
+    CONV_INPUT_GRAD_FLIPPED,
+    CONV_TRANSPOSE_SYMMETRIC,
+    CONV_WEIGHT_GRAD_PATCHES,
+)
 from .masks import WHERE_ZERO_AS_MUL
 from .pool import MAX_POOL_TAPS
 from .rewriter import Report, Rewrite, apply
@@ -38,12 +44,15 @@ __all__ = ["REWRITES", "TARGETS", "cuda_refusals", "optimize", "provider_name", 
 
 REWRITES: dict[str, Rewrite] = {r.name: r for r in (
     CONV_FORWARD_PATCHES, CONV_WEIGHT_GRAD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, MAX_POOL_TAPS,
-    WHERE_ZERO_AS_MUL, BATCH_NORM_TRAINING_AS_OPS, BATCH_NORM_TRAINING_AS_OPS_BACKWARD)}
+    WHERE_ZERO_AS_MUL, BATCH_NORM_TRAINING_AS_OPS, BATCH_NORM_TRAINING_AS_OPS_BACKWARD, CONV_TRANSPOSE_SYMMETRIC)}
 
 TARGETS: dict[str, tuple[str, ...]] = {
     "cpu": ("conv_forward_patches", "conv_weight_grad_patches", "conv_input_grad_col2im", "conv_input_grad_flipped",
             "max_pool_taps", "where_zero_as_mul"),
-    "cuda": ("batch_norm_training_as_ops", "batch_norm_training_as_ops_backward"),
+    # conv_transpose_symmetric_pads: the provider hands a ConvTranspose with asymmetric pads (a strided Conv's
+    # input gradient) to the CPU provider: 29 ms against cuDNN's 0.6 ms, and the step's results went wrong
+    # through the session's IOBinding (bench/gpu_bisect.py, H200, 2026-12-04)
+    "cuda": ("batch_norm_training_as_ops", "batch_norm_training_as_ops_backward", "conv_transpose_symmetric_pads"),
 }
 
 _PROVIDERS = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda"}
@@ -63,17 +72,26 @@ def provider_name(provider: Any) -> str:
 
 
 def cuda_refusals(model: onnx.ModelProto) -> list[str]:
-    """The nodes of ``model`` (subgraphs included) that onnxruntime's CUDA provider refuses to run, each as
-    "node (op): why"; empty when it runs them all. Known: BatchNormalization with ``training_mode=1`` from
-    opset 14 on (the kernel fails the session's build)."""
+    """The nodes of ``model`` (subgraphs included) that onnxruntime's CUDA provider refuses to run or hands to
+    the CPU provider, each as "node (op): why"; empty when it runs them all on the GPU. Known:
+    BatchNormalization with ``training_mode=1`` from opset 14 on (the kernel fails the session's build), and
+    ConvTranspose with asymmetric pads (run on the CPU: a host round trip inside the step, 29 ms against
+    cuDNN's 0.6 ms, and the training session's results went wrong with it on an H200)."""
     from ...ir import model as M
 
     opset = M.opset_of(model)
     found = []
     for node in _nodes(model.graph):
-        if node.op_type == "BatchNormalization" and node.domain in ("", "ai.onnx") and opset >= 14 and any(
-                a.name == "training_mode" and a.i for a in node.attribute):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        attrs = {a.name: a for a in node.attribute}
+        if node.op_type == "BatchNormalization" and opset >= 14 and "training_mode" in attrs and \
+                attrs["training_mode"].i:
             found.append(f"{node.name} (BatchNormalization): training_mode=1 at opset {opset}")
+        if node.op_type == "ConvTranspose" and "pads" in attrs:
+            pads = list(attrs["pads"].ints)
+            if pads[:len(pads) // 2] != pads[len(pads) // 2:]:
+                found.append(f"{node.name} (ConvTranspose): asymmetric pads {pads} run on the CPU provider")
     return found
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+from onnx import helper
 
 from ...ir.builder import Builder, Var
 from ...ir.model import FLOAT_TYPES
@@ -279,3 +280,46 @@ def _col2im_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
 CONV_INPUT_GRAD_COL2IM = Rewrite(
     "conv_input_grad_col2im", "ConvTranspose", _input_grad_pattern, _col2im_check, _col2im_replacement,
     "a ConvTranspose with few positions per image as one Gemm over all images' positions and a Col2Im")
+
+
+# -- ConvTranspose with asymmetric pads --------------------------------------------------------------------------
+def _asymmetric_transpose(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    """A ConvTranspose cropping fewer elements at the end than at the start (an input gradient of a strided
+    Conv whose input size the stride does not divide: pads [1, 1, 0, 0])."""
+    pads = view.attr(node, "pads")
+    if not pads or view.attr(node, "auto_pad", "NOTSET") != "NOTSET":
+        return None
+    k = len(pads) // 2
+    if all(pads[i] == pads[i + k] for i in range(k)):
+        return None
+    return Match(node, list(node.output), dict(node=node, pads=pads))
+
+
+def _transpose_check(view: GraphView, m: Match) -> str | None:
+    k = len(m.pads) // 2
+    strides = view.attr(m.node, "strides") or [1] * k
+    extra = view.attr(m.node, "output_padding") or [0] * k
+    for i in range(k):
+        more = m.pads[i] - m.pads[i + k] + extra[i]
+        if m.pads[i] < m.pads[i + k] or more >= strides[i]:
+            return "its pads cannot be written as symmetric pads and an output_padding below the stride"
+    return None
+
+
+def _symmetric_transpose(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """ConvTranspose(pads=[b, e]) = ConvTranspose(pads=[b, b], output_padding=b - e): the same window of the
+    full output (output_padding extends it at the end). onnxruntime's CUDA provider hands asymmetric
+    pads to the CPU provider (a host round trip inside the step), JSEP computes them wrong."""
+    node, k = m.node, len(m.pads) // 2
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = {key: (v.decode() if isinstance(v, bytes) else v) for key, v in attrs.items()}
+    extra = attrs.get("output_padding") or [0] * k
+    attrs["output_padding"] = [extra[i] + m.pads[i] - m.pads[i + k] for i in range(k)]
+    attrs["pads"] = list(m.pads[:k]) * 2
+    return [b.emit("ConvTranspose", [b.var(x) if x else None for x in node.input], **attrs)]
+
+
+CONV_TRANSPOSE_SYMMETRIC = Rewrite(
+    "conv_transpose_symmetric_pads", "ConvTranspose", _asymmetric_transpose, _transpose_check, _symmetric_transpose,
+    "ConvTranspose's asymmetric pads as symmetric ones and output_padding (onnxruntime's CUDA provider runs "
+    "asymmetric ones on the CPU, JSEP computes them wrong)", forward=None)

@@ -87,9 +87,10 @@ class GraphView:
                 return list(value) if isinstance(value, (list, tuple)) or a.type == a.INTS else value
         return default
 
-    def candidates(self, op_type: str, forward: bool = False) -> list[onnx.NodeProto]:
-        """The ``op_type`` nodes a rewrite may replace: the backward's, or with ``forward`` the forward's."""
-        return [n for n in self.nodes if (id(n) in self.forward) == forward
+    def candidates(self, op_type: str, forward: bool | None = False) -> list[onnx.NodeProto]:
+        """The ``op_type`` nodes a rewrite may replace: the backward's, with ``forward`` the forward's, with
+        None every one."""
+        return [n for n in self.nodes if (forward is None or (id(n) in self.forward) == forward)
                 and n.op_type == op_type and n.domain in ("", "ai.onnx")]
 
 
@@ -112,8 +113,8 @@ class Match:
 class Rewrite:
     """One rewrite rule: ``pattern(view, node) -> Match | None``, ``check(view, match) -> reason | None``,
     ``replacement(builder, view, match) -> [Var]`` (one per matched output). A rewrite anchors on the
-    backward's nodes, or with ``forward`` on the forward's (a forward op computed in a form the backward
-    then shares)."""
+    backward's nodes, with ``forward`` on the forward's (a forward op computed in a form the backward
+    then shares), with ``forward=None`` on any node (an op a runtime lacks, wherever it stands)."""
 
     name: str
     op_type: str
@@ -121,7 +122,7 @@ class Rewrite:
     check: Callable[[GraphView, Match], str | None]
     replacement: Callable[[Builder, GraphView, Match], Sequence[Var]]
     doc: str = ""
-    forward: bool = False
+    forward: bool | None = False
 
 
 @dataclass
