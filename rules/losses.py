@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import numpy_helper
 
-from onnxgrad.ir.builder import Var
+from onnxgrad.ir.builder import Builder, Var
 
 from .registry import Node, register
 
@@ -57,42 +57,46 @@ def _loss_seed(n: Node, w: Var) -> Var:
 def _target_weights(n: Node) -> Var:
     """w[n, c, d...] = weight[c] (1 without weights) where c is the target's label and it is not ignored; else 0."""
     x, labels = n.inputs[:2]
-    weights = n.input(2)
+    return target_weights(n.b, x, labels, n.input(2), n.attr("ignore_index"))
+
+
+def target_weights(b: Builder, x: Var, labels: Var, weights: Var | None, ignore: int | None) -> Var:
+    """The loss ops' class mask: ``weights[label]`` (1 without weights) at each target's class of the scores
+    ``x`` [N, C, d...], 0 at the other classes and for an ignored target (shared with the forward written as
+    ops: :mod:`onnxgrad.passes.optimize.webgpu`)."""
     classes = x.shape[1] if x.rank is not None else None
-    ignore = n.attr("ignore_index")
     if ignore is not None and (classes is None or 0 <= ignore < classes):
         # an ignored label that names a class must match none: make it -1
-        labels = n.op.Where(n.op.Equal(labels, _int_like(n, ignore, labels)), _int_like(n, -1, labels), labels)
-    column = _class_column(n, x)
-    hit = n.op.Equal(n.b.unsqueeze(labels, [1]), _class_ids(n, x, labels, column))   # [N, C, d...]
-    w = n.b.cast_like(hit, x)
+        labels = b.op.Where(b.op.Equal(labels, _int_like(b, ignore, labels)), _int_like(b, -1, labels), labels)
+    column = _class_column(b, x)
+    hit = b.op.Equal(b.unsqueeze(labels, [1]), _class_ids(b, x, labels, column))   # [N, C, d...]
+    w = b.cast_like(hit, x)
     if weights is not None:
-        w = w * (weights if x.rank == 2 else n.op.Reshape(weights, column))
+        w = w * (weights if x.rank == 2 else b.op.Reshape(weights, column))
     return w
 
 
-def _class_column(n: Node, x: Var) -> Var:
+def _class_column(b: Builder, x: Var) -> Var:
     """The shape [C, 1, ..., 1] (C as -1, rank(x) - 1 dims) that puts a [C] vector on axis 1 of x."""
     if x.rank is not None:
-        return n.b.ints([-1] + [1] * (x.rank - 2))
-    rank = n.op.Size(n.b.shape_of(x))
-    ones = n.op.ConstantOfShape(n.b.unsqueeze(rank - 2, [0]),
-                                value=numpy_helper.from_array(np.ones(1, np.int64)))
-    return n.op.Concat(n.b.ints([-1]), ones, axis=0)
+        return b.ints([-1] + [1] * (x.rank - 2))
+    rank = b.op.Size(b.shape_of(x))
+    ones = b.op.ConstantOfShape(b.unsqueeze(rank - 2, [0]), value=numpy_helper.from_array(np.ones(1, np.int64)))
+    return b.op.Concat(b.ints([-1]), ones, axis=0)
 
 
-def _class_ids(n: Node, x: Var, labels: Var, column: Var) -> Var:
+def _class_ids(b: Builder, x: Var, labels: Var, column: Var) -> Var:
     """0..C-1 along axis 1 of a tensor of x's rank, as labels' integer type."""
     classes = x.shape[1] if x.rank is not None else None
-    if classes is not None:
-        return n.op.Reshape(_int_like(n, np.arange(classes), labels), column)
-    count = n.op.Squeeze(n.b.shape_of(x, 1, 2))
-    ids = n.op.Range(n.b.const(np.array(0, np.int64)), count, n.b.const(np.array(1, np.int64)))
-    return n.b.cast_like(n.op.Reshape(ids, column), labels)
+    if classes is not None:      # a constant of that shape: no Reshape at run time
+        return _int_like(b, np.arange(classes).reshape([-1] + [1] * (x.rank - 2)), labels)
+    count = b.op.Squeeze(b.shape_of(x, 1, 2))
+    ids = b.op.Range(b.const(np.array(0, np.int64)), count, b.const(np.array(1, np.int64)))
+    return b.cast_like(b.op.Reshape(ids, column), labels)
 
 
-def _int_like(n: Node, value, like: Var) -> Var:
+def _int_like(b: Builder, value, like: Var) -> Var:
     """An integer constant of like's integer type."""
     if like.dtype is not None:
-        return n.b.const(np.asarray(value), like.dtype)
-    return n.b.cast_like(n.b.const(np.asarray(value, np.int64)), like)
+        return b.const(np.asarray(value), like.dtype)
+    return b.cast_like(b.const(np.asarray(value, np.int64)), like)

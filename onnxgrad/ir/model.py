@@ -535,6 +535,12 @@ def _shape_folded(node: onnx.NodeProto, shapes: dict[str, tuple[int, ...]]) -> d
     return {node.output[0]: np.array(shape[slice(start, end)], np.int64)}
 
 
+def folded(node: onnx.NodeProto, values: dict[str, np.ndarray], opset: int) -> dict[str, np.ndarray] | None:
+    """The node's outputs when its inputs are among ``values`` (integer or boolean ones: shapes, axes, sizes) and
+    so are its outputs; None otherwise."""
+    return _folded(node, values, opset)
+
+
 def _folded(node: onnx.NodeProto, values: dict[str, np.ndarray], opset: int) -> dict[str, np.ndarray] | None:
     """The node's outputs when its inputs are known integer or boolean values and so are its outputs
     (small ones: shapes, sizes, conditions); None otherwise."""

@@ -108,7 +108,9 @@ def _grad_parser() -> argparse.ArgumentParser:
                    help="rewrite the gradient for onnxruntime's 'cpu' or 'cuda' provider (onnxgrad.passes.optimize: "
                    "the measured fast forms of the same values, as TrainingSession uses them; 'cuda' also writes "
                    "train-mode BatchNormalization, which its kernel refuses, as standard ops, and guards the update "
-                   "on the GPU); default: the canonical adjoints")
+                   "on the GPU), or for onnxruntime-web's 'webgpu' providers (every node on the GPU: step and class "
+                   "labels int32, the step's float64 scalars in <stem>.schedule.onnx, run on the CPU before each "
+                   "step); default: the canonical adjoints")
     p.add_argument("--recompute", action="store_true",
                    help="recompute cheap activations in the backward instead of keeping them "
                    "(onnxgrad.passes.recompute); run the result with onnxruntime's CommonSubexpressionElimination "
@@ -380,6 +382,11 @@ def run_train(args: argparse.Namespace) -> int:
           "are required inputs)")
     print(f"wrote {init_path} (the state file, safetensors: every state input's value before the first step; "
           "feed each <name>.next output back as <name>)")
+    if art.schedule is not None:
+        schedule_path = (out_path[:-11] if out_path.endswith(".train.onnx") else stem) + ".schedule.onnx"
+        _save(art.schedule, schedule_path)
+        print(f"wrote {schedule_path} (the step's scalars from lr and step: run it before each step, on the CPU, "
+              "and feed its outputs to the training model)")
     if art.accumulate is not None:
         _save(art.accumulate, acc_path)
         print(f"wrote {acc_path} (accumulation: adds one micro-batch's gradients to the <param>.grad_acc inputs)")

@@ -91,6 +91,9 @@ class TrainingSpec:
     # parameter -> state -> factor: the graph holds PyTorch's value times it (optim.Optimizer.state_scale)
     state_scale: dict[str, dict[str, float]] = field(default_factory=dict)
     step_next: str = ""                          # the output to feed back as ``step`` (empty: accumulation)
+    target: str = ""                             # the runtime the graphs were written for ("": canonical)
+    # target "webgpu": the schedule model's inputs (lr, step) and outputs (inputs of the training model)
+    schedule: dict[str, list[str]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -156,6 +159,7 @@ class TrainingArtifacts:
     report: ParameterReport | None = None          # every float initializer and why it trains or not
     initial_buffers: dict[str, np.ndarray] = field(default_factory=dict)
     split: SplitStep | None = None                 # build(split=True): the step in two graphs (data parallel)
+    schedule: onnx.ModelProto | None = None        # target "webgpu": the step's scalars, for the CPU
 
     def eval_with_loss(self, defaults: bool = False) -> onnx.ModelProto:
         """Forward outputs and the loss, trainable parameters and buffers as inputs (validation loss)."""
@@ -174,7 +178,8 @@ class TrainingArtifacts:
             values[i] = np.zeros(self.initial_params[p].shape, self.initial_params[p].dtype)
         if spec.lr:
             values[spec.lr] = np.array(spec.optimizer["lr"], np.float32)
-            step = next(i for i in self.train.graph.input if i.name == spec.step)
+            graphs = [self.train.graph] + ([self.schedule.graph] if self.schedule is not None else [])
+            step = next(i for g in graphs for i in g.input if i.name == spec.step)
             values[spec.step] = np.array(1, helper.tensor_dtype_to_np_dtype(step.type.tensor_type.elem_type))
         return values
 
@@ -222,8 +227,11 @@ def build(
     :meth:`TrainingArtifacts.initial_values` holds their starting values. ``split``: also build the
     step as two graphs with the gradient reduction between them (:class:`SplitStep`, data parallelism).
     ``target``: the runtime the backward is rewritten for (:func:`onnxgrad.grad`'s; None: the canonical
-    adjoints). ``recompute``: the backward computes cheap activations again rather than keeping them
-    (:func:`onnxgrad.grad`'s; run the models with :data:`onnxgrad.passes.recompute.ORT_DISABLED_OPTIMIZERS` off).
+    adjoints); ``"webgpu"`` rewrites the whole training graph for onnxruntime-web's WebGPU providers
+    (:func:`onnxgrad.passes.optimize.webgpu.for_webgpu`: ``step`` int32, class labels int32, the step's float64
+    scalars in :attr:`TrainingArtifacts.schedule`). ``recompute``: the backward computes cheap activations again
+    rather than keeping them (:func:`onnxgrad.grad`'s; run the models with
+    :data:`onnxgrad.passes.recompute.ORT_DISABLED_OPTIMIZERS` off).
     """
     optimizer = optimizer if optimizer is not None else AdamW()
     if not isinstance(optimizer, Optimizer):
@@ -232,6 +240,9 @@ def build(
         raise OnnxGradError(f"accumulation_steps must be a positive integer, got {accumulation_steps}")
     if clip_grad_norm is not None and not clip_grad_norm > 0:
         raise OnnxGradError(f"clip_grad_norm must be positive, got {clip_grad_norm}")
+    if target == "webgpu" and split:
+        raise OnnxGradError("the webgpu target trains in one process: build it without split (data parallelism "
+                            "runs on the cpu and cuda targets)")
     forward_in = to_eval_mode(parse(model))    # loaded and validated once (and not kept: eval mode is a copy)
     if callable(loss):
         loss_model = parse(loss(forward_in.proto))      # the loss's nodes appended, validated
@@ -272,13 +283,40 @@ def build(
         differentiated, running = differentiated.edited(tm.model), tm.running
     gm = grad(differentiated, wrt=params, loss=loss_name, strict_tags=strict_tags, target=target,
               recompute=recompute)
+    step_dtype = TensorProto.INT32 if target == "webgpu" else TensorProto.INT64     # WebGPU holds no int64
     art = _Builder(loss_model.proto, forward.proto, gm, loss_name, params, frozen, optimizer, clip_grad_norm,
-                   int(accumulation_steps), guard, defaults, running, keep_grads, report, train_mode).run(split)
+                   int(accumulation_steps), guard, defaults, running, keep_grads, report, train_mode,
+                   step_dtype).run(split)
     if target == "cuda":        # the update's guard on the GPU: onnxruntime reads an If's condition on the host
         art.train = guard_as_where(art.train, art.spec.finite)[0]
         if art.split is not None:
             art.split.update = guard_as_where(art.split.update, art.split.spec.finite)[0]
+    if target == "webgpu":
+        _for_webgpu(art)
+    art.spec.target = target or ""
+    for m in (art.train, art.eval, art.accumulate, art.schedule):
+        if m is not None:
+            _set_meta(m, art.spec)
     return art
+
+
+def _for_webgpu(art: TrainingArtifacts) -> None:
+    """The training, accumulation and eval graphs rewritten for the WebGPU providers (the gradient already is):
+    the training builder's nodes too, labels as int32, no Identity, the step's scalars in the schedule model."""
+    from ..passes.optimize import rewrites_for, webgpu
+
+    rewrites = rewrites_for("webgpu")
+    spec = art.spec
+    art.train, schedule, _, retyped = webgpu.for_webgpu(art.train, rewrites, finite=spec.finite,
+                                                         schedule_inputs=[spec.lr, spec.step],
+                                                         data_inputs=spec.data_inputs)
+    if schedule is not None:
+        art.schedule = schedule.model
+        spec.schedule = {"inputs": schedule.inputs, "outputs": schedule.outputs}
+    if art.accumulate is not None:
+        art.accumulate, _, _, _ = webgpu.for_webgpu(art.accumulate, rewrites, finite=spec.finite,
+                                                    schedule_inputs=[], data_inputs=retyped)
+    art.eval = webgpu.eval_for_webgpu(art.eval, rewrites, data_inputs=spec.data_inputs)
 
 
 def _say_findings(report: ParameterReport, train_mode: bool) -> None:
@@ -304,12 +342,13 @@ def _chosen(report: ParameterReport, trainable: Sequence[str], frozen: Sequence[
 # -- the builder --------------------------------------------------------------------------------
 class _Builder:
     def __init__(self, loss_model, forward, gm, loss, params, frozen, optimizer, clip, accumulation, guard,
-                 defaults, running, keep_grads, report, train_mode):
+                 defaults, running, keep_grads, report, train_mode, step_dtype=TensorProto.INT64):
         self.loss_model, self.forward, self.gm = loss_model, forward, gm
         self.loss, self.params, self.frozen = loss, params, frozen
         self.optimizer, self.clip, self.k = optimizer, clip, accumulation
         self.guard, self.defaults = guard, defaults
         self.running, self.keep_grads, self.report, self.train_mode = running, keep_grads, report, train_mode
+        self.step_dtype = step_dtype
         inits = {i.name: i for i in loss_model.graph.initializer}
         self.initial = {p: numpy_helper.to_array(inits[p]) for p in params}
         self.initial_buffers = {r: numpy_helper.to_array(inits[r]) for r in running}
@@ -577,8 +616,9 @@ class _Builder:
 
         lr = e.add_input("lr", TensorProto.FLOAT, (), "learning rate of this update (float32 scalar)",
                          np.array(self.optimizer.lr, np.float32))
-        step = e.add_input("step", TensorProto.INT64, (), "number of this update, 1 for the first (int64 scalar)",
-                           np.array(1, np.int64))
+        step_np = helper.tensor_dtype_to_np_dtype(self.step_dtype)
+        step = e.add_input("step", self.step_dtype, (), f"number of this update, 1 for the first ({step_np.name} "
+                           "scalar)", np.array(1, step_np))
         ob = b.scoped("train/optimizer", f"{type(self.optimizer).__name__} update")
         ctx = UpdateContext(ob, lr, step)
         first = len(b.nodes)           # the update's nodes: into the guard's If below
@@ -604,8 +644,8 @@ class _Builder:
                 state_names[p][s] = [state[s].name, out]
         # the count of applied updates, fed back as the other state is: Adam's bias correction reads it
         sb = b.scoped("train/step", "number of the next update")
-        next_step = sb.op.Add(step, sb.const(np.array(1, np.int64)))
-        updated.append((next_step, step, f"{step.name}.next", TensorProto.INT64, (),
+        next_step = sb.op.Add(step, sb.const(np.array(1), self.step_dtype))
+        updated.append((next_step, step, f"{step.name}.next", self.step_dtype, (),
                         f"'{step.name}' for the next update: one more when this update was applied"))
         new_values = [u[0] for u in updated]
         if self.guard:

@@ -120,7 +120,7 @@ class UpdateContext:
     def first_step(self) -> Var:
         """step == 1 (a boolean scalar)."""
         if self._first is None:
-            self._first = self._root.op.Equal(self.step_int, self._root.const(np.array(1, np.int64)))
+            self._first = self._root.op.Equal(self.step_int, self._root.const(np.array(1), self.step_int.dtype))
         return self._first
 
 

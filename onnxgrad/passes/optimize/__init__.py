@@ -9,6 +9,9 @@ form computes (``conv_forward_patches``: the weight gradient reads the forward's
 
 - ``None``: the canonical graph;
 - ``"cpu"``: onnxruntime's CPUExecutionProvider;
+- ``"webgpu"``: onnxruntime-web's WebGPU providers (:mod:`onnxgrad.passes.optimize.webgpu`): no op they lack or
+  compute wrongly, nothing on the CPU inside a step; the training graph's step scalars in a schedule model
+  (:mod:`onnxgrad.passes.optimize.schedule`);
 - ``"cuda"``: onnxruntime's CUDAExecutionProvider (cuDNN runs the canonical convolutions natively;
   no speed rewrite has been measured to pay there yet). Its rewrites make the graph runnable there:
   BatchNormalization in training mode, which the CUDA kernel refuses, as standard ops
@@ -39,12 +42,16 @@ from .conv import (
 from .masks import WHERE_ZERO_AS_MUL
 from .pool import MAX_POOL_TAPS
 from .rewriter import Report, Rewrite, apply
+from .rewriter import apply as apply_rewrites
+from .webgpu import WEBGPU_REWRITES
 
-__all__ = ["REWRITES", "TARGETS", "cuda_refusals", "optimize", "provider_name", "target_for"]
+__all__ = ["REWRITES", "TARGETS", "apply_rewrites", "cuda_refusals", "optimize", "provider_name", "rewrites_for",
+           "target_for"]
 
 REWRITES: dict[str, Rewrite] = {r.name: r for r in (
     CONV_FORWARD_PATCHES, CONV_WEIGHT_GRAD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, MAX_POOL_TAPS,
-    WHERE_ZERO_AS_MUL, BATCH_NORM_TRAINING_AS_OPS, BATCH_NORM_TRAINING_AS_OPS_BACKWARD, CONV_TRANSPOSE_SYMMETRIC)}
+    WHERE_ZERO_AS_MUL, BATCH_NORM_TRAINING_AS_OPS, BATCH_NORM_TRAINING_AS_OPS_BACKWARD, CONV_TRANSPOSE_SYMMETRIC,
+    *WEBGPU_REWRITES)}
 
 TARGETS: dict[str, tuple[str, ...]] = {
     "cpu": ("conv_forward_patches", "conv_weight_grad_patches", "conv_input_grad_col2im", "conv_input_grad_flipped",
@@ -53,6 +60,9 @@ TARGETS: dict[str, tuple[str, ...]] = {
     # input gradient) to the CPU provider: 29 ms against cuDNN's 0.6 ms, and the step's results went wrong
     # through the session's IOBinding (bench/gpu_bisect.py, H200, 2026-12-04)
     "cuda": ("batch_norm_training_as_ops", "batch_norm_training_as_ops_backward", "conv_transpose_symmetric_pads"),
+    # every node on the GPU and right (onnxgrad.passes.optimize.webgpu): what the providers lack, as standard ops
+    "webgpu": ("batch_norm_training_as_ops", "batch_norm_training_as_ops_backward",
+               *(r.name for r in WEBGPU_REWRITES)),
 }
 
 _PROVIDERS = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda"}

@@ -1,0 +1,316 @@
+"""The webgpu target (onnxgrad.passes.optimize.webgpu, .schedule): each rewrite computes what the op it replaces
+does (onnxruntime's CPU provider on both graphs), and training artifacts built for webgpu train as the canonical
+ones do, with nothing left that the WebGPU providers run on the CPU or compute wrong. tests/test_browser.py runs
+them in Chromium."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from onnxgrad import losses, optim
+from onnxgrad.ir import model as M
+from onnxgrad.passes.optimize import REWRITES, apply_rewrites, webgpu
+from onnxgrad.training.artifacts import build
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ROOT / "models"
+OPSET = 18
+F = TensorProto.FLOAT
+rng = np.random.default_rng(0)
+
+# what the WebGPU providers of onnxruntime-web 1.30 run on the CPU (in either bundle) or fail: none may remain
+CPU_OR_FAILING = {"Sum", "Mean", "Max", "Min", "Sign", "IsNaN", "IsInf", "Or", "And", "Xor", "LogSoftmax",
+                  "ConstantOfShape", "Size", "OneHot", "SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss",
+                  "ScatterElements", "Identity", "Softplus", "Softsign", "Round", "Trilu", "Dropout"}
+
+
+def one_node(op, inputs, outputs, attrs=None, consts=()):
+    """A model of one node: ``inputs``/``outputs`` as (name, elem_type, shape); ``consts`` initializers."""
+    node = helper.make_node(op, [i[0] for i in inputs] + [c.name for c in consts], [o[0] for o in outputs],
+                            **(attrs or {}))
+    graph = helper.make_graph([node], op, [helper.make_tensor_value_info(*i) for i in inputs],
+                              [helper.make_tensor_value_info(*o) for o in outputs], list(consts))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+
+
+def run(model, feeds):
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def rewritten(model, name):
+    out, report = apply_rewrites(onnx.shape_inference.infer_shapes(model), [REWRITES[name]], first=0)
+    assert [n for n, _ in report.applied] == [name], report
+    onnx.checker.check_model(out, full_check=True)
+    return out
+
+
+def floats(*shape):
+    return rng.standard_normal(shape).astype(np.float32)
+
+
+def assert_same(model, name, feeds, gone):
+    out = rewritten(model, name)
+    assert not [n for n in out.graph.node if n.op_type == gone]
+    for got, want in zip(run(out, feeds), run(model, feeds)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    return out
+
+
+# -- one rewrite at a time -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op,name", [("Sum", "sum_as_adds"), ("Mean", "mean_as_adds"), ("Max", "max_as_where"),
+                                     ("Min", "min_as_where")])
+def test_variadic_ops_as_binary_trees(op, name):
+    shapes = [(2, 3), (3,), (2, 3), (1, 3), (2, 3)]        # broadcasting as the op does
+    m = one_node(op, [(f"x{k}", F, s) for k, s in enumerate(shapes)], [("y", F, (2, 3))])
+    feeds = {f"x{k}": floats(*s) for k, s in enumerate(shapes)}
+    feeds["x2"][0, 0] = feeds["x0"][0, 0]                   # ties pick the same value
+    assert_same(m, name, feeds, op)
+
+
+@pytest.mark.parametrize("n", [8, 12, 50])
+def test_wide_concat_as_a_tree_of_at_most_seven(n):
+    m = one_node("Concat", [(f"x{k}", F, (2, k + 1)) for k in range(n)], [("y", F, (2, n * (n + 1) // 2))],
+                 {"axis": 1})
+    out = assert_same(m, "concat_tree", {f"x{k}": floats(2, k + 1) for k in range(n)}, "None")
+    assert max(len(nd.input) for nd in out.graph.node if nd.op_type == "Concat") <= webgpu.MAX_BINDINGS - 1
+
+
+@pytest.mark.parametrize("sizes", [[1] * 12, list(range(1, 10)), None])
+def test_wide_split_as_a_tree_of_at_most_seven(sizes):
+    n = len(sizes) if sizes else 12
+    total = sum(sizes) if sizes else 36
+    consts = [numpy_helper.from_array(np.array(sizes, np.int64), "sizes")] if sizes else []
+    attrs = {"axis": 1} if sizes else {"axis": 1, "num_outputs": n}
+    m = one_node("Split", [("x", F, (2, total))], [(f"y{k}", F, None) for k in range(n)], attrs, consts)
+    out = assert_same(m, "split_tree", {"x": floats(2, total)}, "None")
+    assert max(len(nd.output) for nd in out.graph.node if nd.op_type == "Split") <= webgpu.MAX_BINDINGS - 1
+
+
+@pytest.mark.parametrize("pads,extra", [([1, 1, 0, 0], None), ([2, 1, 1, 0], None), ([1, 0, 0, 0], [0, 1])])
+def test_conv_transpose_asymmetric_pads_as_symmetric_and_output_padding(pads, extra):
+    attrs = {"strides": [3, 3], "pads": pads, **({"output_padding": extra} if extra else {})}
+    x, w = floats(2, 4, 5, 5), floats(4, 3, 3, 3)
+    m = one_node("ConvTranspose", [("x", F, x.shape), ("w", F, w.shape)], [("y", F, None)], attrs)
+    out = assert_same(m, "conv_transpose_symmetric_pads", {"x": x, "w": w}, "None")
+    node = next(n for n in out.graph.node if n.op_type == "ConvTranspose")
+    written = next(list(a.ints) for a in node.attribute if a.name == "pads")
+    assert written[:2] == written[2:]
+
+
+def test_conv_attributes_written_out():
+    x, w = floats(1, 2, 6, 6), floats(3, 2, 3, 3)
+    m = one_node("Conv", [("x", F, x.shape), ("w", F, w.shape)], [("y", F, None)], {"pads": [1, 1, 1, 1]})
+    out = assert_same(m, "conv_explicit_attributes", {"x": x, "w": w}, "None")
+    attrs = {a.name for a in out.graph.node[0].attribute}
+    assert {"dilations", "strides", "pads"} <= attrs
+
+
+@pytest.mark.parametrize("op", ["SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"])
+@pytest.mark.parametrize("reduction,ignore,weighted,spatial", [
+    ("mean", None, False, False), ("mean", 2, False, False), ("sum", None, True, False), ("none", 1, True, False),
+    ("mean", 0, True, True), ("mean", None, False, True)])
+def test_loss_ops_as_reductions(op, reduction, ignore, weighted, spatial):
+    shape = (4, 5, 3) if spatial else (4, 5)
+    labels = rng.integers(0, 5, shape[:1] + shape[2:]).astype(np.int64)
+    labels.reshape(-1)[0] = ignore if ignore is not None else labels.reshape(-1)[0]
+    feeds = {"x": floats(*shape), "t": labels}
+    inputs = [("x", F, shape), ("t", TensorProto.INT64, labels.shape)]
+    if weighted:
+        inputs.append(("w", F, (5,)))
+        feeds["w"] = rng.uniform(0.5, 2, 5).astype(np.float32)
+    attrs = {"reduction": reduction, **({"ignore_index": ignore} if ignore is not None else {})}
+    outputs = [("loss", F, None)] + ([("logp", F, None)] if op == "SoftmaxCrossEntropyLoss" else [])
+    name = "softmax_cross_entropy_as_ops" if op == "SoftmaxCrossEntropyLoss" else "nll_loss_as_ops"
+    out = assert_same(one_node(op, inputs, outputs, attrs), name, feeds, op)
+    assert not [n for n in out.graph.node if n.op_type in CPU_OR_FAILING]
+
+
+@pytest.mark.parametrize("reduction", ["none", "add"])
+def test_scatter_elements_at_constant_indices_as_scatter_nd(reduction):
+    idx = numpy_helper.from_array(np.array([[0, 2, -1], [1, 1, 0]], np.int64), "idx")
+    m = one_node("ScatterElements", [("x", F, (2, 4)), ("u", F, (2, 3))], [("y", F, (2, 4))],
+                 {"axis": 1, "reduction": reduction}, [idx])
+    # reordered so the indices come second, as the op takes them
+    m.graph.node[0].input[:] = ["x", "idx", "u"]
+    assert_same(m, "scatter_elements_as_nd", {"x": floats(2, 4), "u": floats(2, 3)}, "ScatterElements")
+
+
+def test_finiteness_as_one_compare():
+    nodes = [helper.make_node("IsNaN", ["x"], ["nan"]), helper.make_node("IsInf", ["x"], ["inf"]),
+             helper.make_node("Or", ["nan", "inf"], ["either"]), helper.make_node("Not", ["either"], ["finite"])]
+    g = helper.make_graph(nodes, "finite", [helper.make_tensor_value_info("x", F, (6,))],
+                          [helper.make_tensor_value_info("finite", TensorProto.BOOL, (6,))])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
+    x = np.array([0, -1e30, np.inf, -np.inf, np.nan, 3.4e38], np.float32)
+    out = assert_same(m, "finite_as_compare", {"x": x}, "IsNaN")
+    assert not [n for n in out.graph.node if n.op_type in CPU_OR_FAILING]
+
+
+def test_labels_as_int32_stops_where_int64_is_needed():
+    m = one_node("SoftmaxCrossEntropyLoss", [("x", F, (4, 5)), ("t", TensorProto.INT64, (4,))], [("loss", F, None)])
+    m = rewritten(m, "softmax_cross_entropy_as_ops")
+    assert webgpu.labels_as_int32(m, ["t"]) == ["t"]
+    assert all(i.type.tensor_type.elem_type != TensorProto.INT64 for i in m.graph.input)
+    x, t = floats(4, 5), np.array([0, 4, 2, 1])
+    ref = run(one_node("SoftmaxCrossEntropyLoss", [("x", F, (4, 5)), ("t", TensorProto.INT64, (4,))],
+                       [("loss", F, None)]), {"x": x, "t": t.astype(np.int64)})
+    np.testing.assert_allclose(run(m, {"x": x, "t": t.astype(np.int32)})[0], ref[0], rtol=1e-6)
+    shape_use = one_node("Reshape", [("x", F, (4, 5)), ("s", TensorProto.INT64, (2,))], [("y", F, None)])
+    assert webgpu.labels_as_int32(shape_use, ["s"]) == []          # a shape stays int64
+
+
+# -- whole training graphs ------------------------------------------------------------------------------------
+def lstm_model(seq=12, hidden=32, features=4, classes=3, batch=2):
+    """An LSTM classifier (the last step's hidden state, a Gemm head): its gradient splits and concatenates
+    ``seq`` time steps, the node width JSEP computed wrong."""
+    w = (rng.standard_normal((1, 4 * hidden, features)) * 0.3).astype(np.float32)
+    r = (rng.standard_normal((1, 4 * hidden, hidden)) * 0.3).astype(np.float32)
+    b = (rng.standard_normal((1, 8 * hidden)) * 0.1).astype(np.float32)
+    fc = (rng.standard_normal((classes, hidden)) * 0.3).astype(np.float32)
+    inits = [numpy_helper.from_array(a, n) for a, n in ((w, "W"), (r, "R"), (b, "B"), (fc, "fc.weight"))]
+    nodes = [helper.make_node("LSTM", ["x", "W", "R", "B"], ["", "h"], hidden_size=hidden),
+             helper.make_node("Squeeze", ["h", "zero"], ["h2"]),
+             helper.make_node("Gemm", ["h2", "fc.weight"], ["y"], transB=1)]
+    inits.append(numpy_helper.from_array(np.array([0], np.int64), "zero"))
+    g = helper.make_graph(nodes, "lstm", [helper.make_tensor_value_info("x", F, (seq, batch, features))],
+                          [helper.make_tensor_value_info("y", F, (batch, classes))], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
+
+
+def cases():
+    """(name, forward model, loss, optimizer, batches)."""
+    bn = dict(np.load(MODELS / "train_step" / "cnn_bn_dynamo.npz"))
+    bn_batches = [{"x": (bn["x"] + rng.normal(0, 0.5, bn["x"].shape)).astype(np.float32), "t": bn["t"]}
+                  for _ in range(3)]
+    mlp = dict(np.load(MODELS / "mlp_ce_dynamo.npz"))
+    mlp_batches = [{"x": floats(8, 16), "target": rng.integers(0, 4, 8).astype(np.int64)} for _ in range(3)]
+    lstm_batches = [{"x": floats(12, 2, 4), "t": rng.integers(0, 3, 2).astype(np.int64)} for _ in range(3)]
+    assert mlp["input/x"].shape == (8, 16)
+    return [
+        ("bn_cnn", str(MODELS / "cnn_bn_dynamo.onnx"), losses.MSELoss(output=str(bn["output"]), target="t"),
+         lambda: optim.SGD(lr=0.05, momentum=0.9), bn_batches),
+        ("mlp_ce_adamw", str(MODELS / "mlp_ce_dynamo.onnx"), "loss", lambda: optim.AdamW(lr=1e-2), mlp_batches),
+        ("lstm_seq12", lstm_model(), losses.CrossEntropyLoss(output="y", target="t"),
+         lambda: optim.SGD(lr=0.1, momentum=0.9), lstm_batches),
+    ]
+
+
+def train(art, batches):
+    """3 steps of the artifacts on onnxruntime's CPU provider, the schedule model first where there is one;
+    each batch's tensors cast to the training model's input types (int64 labels to int32 for webgpu)."""
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    sess = ort.InferenceSession(art.train.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    sched = (ort.InferenceSession(art.schedule.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+             if art.schedule is not None else None)
+    types = {i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type) for i in art.train.graph.input}
+    values = art.initial_values()
+    names = [o.name for o in sess.get_outputs()]
+    losses_ = []
+    for batch in batches:
+        feeds = dict(values)
+        if sched is not None:
+            outs = sched.run(None, {i.name: values[i.name] for i in sched.get_inputs()})
+            feeds.update(zip([o.name for o in sched.get_outputs()], outs))
+        feeds.update({k: v.astype(types[k]) for k, v in batch.items()})
+        out = dict(zip(names, sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})))
+        losses_.append(float(out[art.spec.loss]))
+        for o, v in out.items():
+            if o.endswith(".next") and o[:-5] in values:
+                values[o[:-5]] = v
+    return losses_, {p: values[p] for p in art.spec.params}
+
+
+@pytest.fixture(scope="module", params=cases(), ids=lambda c: c[0])
+def built(request):
+    name, model, loss, opt, batches = request.param
+    return (build(model, loss, opt(), target="webgpu"), build(model, loss, opt()), batches)
+
+
+def test_webgpu_artifacts_train_as_the_canonical_ones(built):
+    gpu, canonical, batches = built
+    got, want = train(gpu, batches), train(canonical, batches)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for p, value in want[1].items():
+        np.testing.assert_allclose(got[1][p], value, rtol=1e-4, atol=1e-6, err_msg=p)
+
+
+def test_webgpu_artifacts_hold_nothing_the_providers_lack(built):
+    gpu, canonical, _ = built
+    for model in (gpu.train, gpu.eval):
+        onnx.checker.check_model(model, full_check=True)
+        ops = {n.op_type for n in run_time_nodes(model)}     # onnxruntime folds the others when it loads
+        assert not ops & CPU_OR_FAILING, ops & CPU_OR_FAILING
+        assert not [n for n in model.graph.node if n.op_type == "BatchNormalization"
+                    and any(a.name == "training_mode" and a.i for a in n.attribute)]
+        fans = [len(n.input) for n in model.graph.node if n.op_type == "Concat"] + \
+               [len(n.output) for n in model.graph.node if n.op_type == "Split"]
+        assert max(fans, default=0) <= webgpu.MAX_BINDINGS - 1
+        assert not computed_wide(model), "int64 or float64 tensors computed in the step (the GPU holds neither)"
+    assert gpu.spec.target == "webgpu"
+    step = next(i for i in gpu.train.graph.input if i.name == gpu.spec.step)
+    assert step.type.tensor_type.elem_type == TensorProto.INT32
+
+
+def run_time_nodes(model):
+    """The nodes that depend on a graph input: what onnxruntime cannot fold when it loads the model."""
+    dynamic, nodes = {i.name for i in model.graph.input}, []
+    for n in model.graph.node:
+        if any(x in dynamic for x in [*n.input, *M.subgraph_inputs(n)]):
+            dynamic.update(o for o in n.output if o)
+            nodes.append(n)
+    return nodes
+
+
+def computed_wide(model):
+    """The int64 and float64 tensors computed in a step (the GPU holds neither)."""
+    infos, _ = M.tensor_infos(M.infer(model))
+    made = [o for n in run_time_nodes(model) for o in n.output if o]
+    return sorted(t for t in made if t in infos and infos[t].dtype in (TensorProto.INT64, TensorProto.DOUBLE))
+
+
+def test_the_canonical_artifacts_are_what_the_checks_refuse(built):
+    # the checks above can fail: the canonical graphs hold what the rewrites remove
+    _, canonical, _ = built
+    ops = {n.op_type for n in run_time_nodes(canonical.train)}
+    assert ops & CPU_OR_FAILING and computed_wide(canonical.train)
+
+
+def test_the_lstm_gradient_is_wider_than_webgpu_binds_until_rewritten():
+    canonical = build(lstm_model(), losses.CrossEntropyLoss(output="y", target="t"), optim.SGD(lr=0.1))
+    fans = [len(n.input) for n in canonical.train.graph.node if n.op_type == "Concat"] + \
+           [len(n.output) for n in canonical.train.graph.node if n.op_type == "Split"]
+    assert max(fans) >= webgpu.MAX_BINDINGS          # the silent error's shape: 12 time steps in one node
+
+
+def test_adam_schedule_keeps_float64_off_the_training_graph():
+    art = build(str(MODELS / "mlp_ce_dynamo.onnx"), "loss", optim.AdamW(lr=1e-2), target="webgpu")
+    assert art.schedule is not None and art.spec.schedule["inputs"] == ["lr", "step"]
+    doubles = [n for n in art.schedule.graph.node if any(
+        a.name == "to" and a.i == TensorProto.DOUBLE for a in n.attribute)]
+    assert doubles                                              # bias corrections in float64, as PyTorch's
+    assert set(art.spec.schedule["outputs"]) <= {i.name for i in art.train.graph.input}
+
+
+def test_cli_writes_the_webgpu_artifacts_with_their_schedule(tmp_path, capsys):
+    from onnxgrad.tools.cli import main as cli_main
+    from onnxgrad.training import state
+
+    model = tmp_path / "mlp.onnx"
+    model.write_bytes((MODELS / "mlp_ce_dynamo.onnx").read_bytes())
+    assert cli_main([str(model), "--loss", "loss", "--optimizer", "adamw", "--lr", "0.01",
+                     "--optimize-for", "webgpu"]) == 0
+    out = capsys.readouterr().out
+    assert "mlp.schedule.onnx" in out
+    train, schedule = onnx.load(tmp_path / "mlp.train.onnx"), onnx.load(tmp_path / "mlp.schedule.onnx")
+    onnx.checker.check_model(schedule, full_check=True)
+    assert {i.name for i in schedule.graph.input} == {"lr", "step"}
+    held = state.read(tmp_path / "mlp.state.safetensors")
+    assert held.tensors["step"].dtype == np.int32 and held.tensors["lr"].dtype == np.float32
+    assert {o.name for o in schedule.graph.output} <= {i.name for i in train.graph.input}
