@@ -10,6 +10,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from artifacts_loop import train_steps
 from onnx import TensorProto, helper, numpy_helper
 
 from onnxgrad import losses, optim
@@ -202,28 +203,8 @@ def cases():
 
 
 def train(art, batches):
-    """3 steps of the artifacts on onnxruntime's CPU provider, the schedule model first where there is one;
-    each batch's tensors cast to the training model's input types (int64 labels to int32 for webgpu)."""
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(art.train.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    sched = (ort.InferenceSession(art.schedule.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-             if art.schedule is not None else None)
-    types = {i.name: helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type) for i in art.train.graph.input}
-    values = art.initial_values()
-    names = [o.name for o in sess.get_outputs()]
-    losses_ = []
-    for batch in batches:
-        feeds = dict(values)
-        if sched is not None:
-            outs = sched.run(None, {i.name: values[i.name] for i in sched.get_inputs()})
-            feeds.update(zip([o.name for o in sched.get_outputs()], outs))
-        feeds.update({k: v.astype(types[k]) for k, v in batch.items()})
-        out = dict(zip(names, sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()})))
-        losses_.append(float(out[art.spec.loss]))
-        for o, v in out.items():
-            if o.endswith(".next") and o[:-5] in values:
-                values[o[:-5]] = v
+    """3 steps of the artifacts on onnxruntime's CPU provider: the losses and the parameters after them."""
+    losses_, values = train_steps(art.train, art.schedule, art.initial_values(), art.spec.loss, batches)
     return losses_, {p: values[p] for p in art.spec.params}
 
 

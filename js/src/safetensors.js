@@ -89,3 +89,18 @@ export function writeSafetensors(tensors, metadata = {}) {
   }
   return out;
 }
+
+/**
+ * The bytes after the header: what the state file's ``sha256`` metadata is the digest of.
+ * @param {Uint8Array} file
+ */
+export function dataOf(file) {
+  const headerLength = Number(new DataView(file.buffer, file.byteOffset, file.byteLength).getBigUint64(0, true));
+  return file.subarray(8 + headerLength);
+}
+
+/** @param {Uint8Array} bytes @returns {Promise<string>} the SHA-256, hex */
+export async function sha256(bytes) {
+  const digest = new Uint8Array(await globalThis.crypto.subtle.digest('SHA-256', bytes));
+  return [...digest].map((b) => b.toString(16).padStart(2, '0')).join('');
+}

@@ -297,6 +297,7 @@ def build(
     for m in (art.train, art.eval, art.accumulate, art.schedule):
         if m is not None:
             _set_meta(m, art.spec)
+            m.ir_version = emitted_ir_version(m)        # a version every runtime we target loads
     return art
 
 

@@ -379,6 +379,9 @@ def integer_constants_folded(model: onnx.ModelProto) -> int:
         g.node[k].CopyFrom(helper.make_node("Constant", [], [name], name=node.name,
                                             value=numpy_helper.from_array(value)))
         count += 1
+    if count:                   # the initializers only the folded nodes read
+        read = {x for n in g.node for x in [*n.input, *M.subgraph_inputs(n)]} | {o.name for o in g.output}
+        M.keep_only(g.initializer, lambda t: t.name in read or t.name in inputs)
     return count
 
 
