@@ -15,10 +15,9 @@ import onnx
 import onnxruntime as ort
 import pytest
 from artifacts_loop import train_steps
-from safetensors.numpy import save_file
+from train_fixtures import write_job
 
 from onnxgrad import TrainingSession, optim
-from onnxgrad.tools.cli import main as cli_main
 from onnxgrad.training import state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,27 +31,10 @@ pytestmark = [
 ]
 
 
-def fixtures():
-    """name -> (model file, CLI arguments, batches, TrainingSession factory or None)."""
-    rng = np.random.default_rng(7)
-    bn = dict(np.load(ROOT / "models" / "train_step" / "cnn_bn_dynamo.npz"))
-    from test_optimize_webgpu import lstm_model
-    return {
-        "mlp": (ROOT / "models" / "mlp_ce_dynamo.onnx", ["--loss", "loss", "--optimizer", "adamw", "--lr", "0.01"],
-                [{"x": rng.standard_normal((8, 16)).astype(np.float32), "target": rng.integers(0, 4, 8)}
-                 for _ in range(STEPS)],
-                lambda: TrainingSession(ROOT / "models" / "mlp_ce_dynamo.onnx", loss="loss",
-                                        optimizer=optim.AdamW(lr=0.01), providers=["CPUExecutionProvider"])),
-        "bn_cnn": (ROOT / "models" / "cnn_bn_dynamo.onnx",
-                   ["--loss-fn", "mse", "--target", "t", "--predictions", str(bn["output"]), "--optimizer", "sgd",
-                    "--lr", "0.05", "--momentum", "0.9"],
-                   [{"x": (bn["x"] + rng.normal(0, 0.5, bn["x"].shape)).astype(np.float32), "t": bn["t"]}
-                    for _ in range(STEPS)], None),
-        "lstm12": (lstm_model(), ["--loss-fn", "cross_entropy", "--target", "t", "--predictions", "y",
-                                  "--optimizer", "sgd", "--lr", "0.1", "--momentum", "0.9"],
-                   [{"x": rng.standard_normal((12, 2, 4)).astype(np.float32), "t": rng.integers(0, 3, 2)}
-                    for _ in range(STEPS)], None),
-    }
+SESSIONS = {          # the jobs a Python session also trains, for checkpoints both ways
+    "mlp": lambda: TrainingSession(ROOT / "models" / "mlp_ce_dynamo.onnx", loss="loss", optimizer=optim.AdamW(lr=0.01),
+                                   providers=["CPUExecutionProvider"]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -60,16 +42,11 @@ def ran(tmp_path_factory):
     """Build each fixture with the CLI (webgpu target), write the manifest, run `node --test js/test/`."""
     folder = tmp_path_factory.mktemp("js")
     manifest: dict = {"models": {}}
-    cases = fixtures()
-    for name, (model, args, batches, session) in cases.items():
-        path = folder / f"{name}.onnx"
-        if isinstance(model, onnx.ModelProto):
-            onnx.save(model, path)
-        else:
-            shutil.copy(model, path)
-        assert cli_main([str(path), *args, "--optimize-for", "webgpu", "-o", str(folder / f"{name}.train.onnx")]) == 0
-        save_file({f"{k}/{i}": np.ascontiguousarray(v) for k, b in enumerate(batches) for i, v in b.items()},
-                  str(folder / f"{name}.batches.safetensors"))
+    cases = {}
+    for name in ("mlp", "bn_cnn", "lstm12"):
+        batches = write_job(folder, name, STEPS)
+        session = SESSIONS.get(name)
+        cases[name] = (None, None, batches, session)
         entry = {"train": f"{name}.train.onnx", "eval": f"{name}.eval.onnx", "state": f"{name}.state.safetensors",
                  "schedule": f"{name}.schedule.onnx", "steps": STEPS}
         if session is not None:                       # a Python session's checkpoint after 2 steps, for JS

@@ -12,6 +12,7 @@ import onnxruntime as ort
 import pytest
 from artifacts_loop import train_steps
 from onnx import TensorProto, helper, numpy_helper
+from train_fixtures import lstm_classifier
 
 from onnxgrad import losses, optim
 from onnxgrad.ir import model as M
@@ -153,6 +154,21 @@ def test_finiteness_as_one_compare():
     assert not [n for n in out.graph.node if n.op_type in CPU_OR_FAILING]
 
 
+@pytest.mark.parametrize("op,name", [("And", "and_as_arithmetic"), ("Or", "or_as_arithmetic")])
+def test_mask_logic_as_arithmetic(op, name):
+    B = TensorProto.BOOL
+    m = one_node(op, [("a", B, (4,)), ("b", B, (4,))], [("y", B, (4,))])
+    out = assert_same(m, name, {"a": np.array([0, 0, 1, 1], bool), "b": np.array([0, 1, 0, 1], bool)}, op)
+    assert not [n for n in out.graph.node if n.op_type in CPU_OR_FAILING]
+
+
+def test_isnan_as_one_compare():
+    m = one_node("IsNaN", [("x", F, (5,))], [("y", TensorProto.BOOL, (5,))])
+    x = np.array([0, np.nan, np.inf, -np.inf, -2], np.float32)
+    out = assert_same(m, "isnan_as_compare", {"x": x}, "IsNaN")
+    assert not [n for n in out.graph.node if n.op_type in CPU_OR_FAILING]
+
+
 def test_labels_as_int32_stops_where_int64_is_needed():
     m = one_node("SoftmaxCrossEntropyLoss", [("x", F, (4, 5)), ("t", TensorProto.INT64, (4,))], [("loss", F, None)])
     m = rewritten(m, "softmax_cross_entropy_as_ops")
@@ -167,23 +183,6 @@ def test_labels_as_int32_stops_where_int64_is_needed():
 
 
 # -- whole training graphs ------------------------------------------------------------------------------------
-def lstm_model(seq=12, hidden=32, features=4, classes=3, batch=2):
-    """An LSTM classifier (the last step's hidden state, a Gemm head): its gradient splits and concatenates
-    ``seq`` time steps, the node width JSEP computed wrong."""
-    w = (rng.standard_normal((1, 4 * hidden, features)) * 0.3).astype(np.float32)
-    r = (rng.standard_normal((1, 4 * hidden, hidden)) * 0.3).astype(np.float32)
-    b = (rng.standard_normal((1, 8 * hidden)) * 0.1).astype(np.float32)
-    fc = (rng.standard_normal((classes, hidden)) * 0.3).astype(np.float32)
-    inits = [numpy_helper.from_array(a, n) for a, n in ((w, "W"), (r, "R"), (b, "B"), (fc, "fc.weight"))]
-    nodes = [helper.make_node("LSTM", ["x", "W", "R", "B"], ["", "h"], hidden_size=hidden),
-             helper.make_node("Squeeze", ["h", "zero"], ["h2"]),
-             helper.make_node("Gemm", ["h2", "fc.weight"], ["y"], transB=1)]
-    inits.append(numpy_helper.from_array(np.array([0], np.int64), "zero"))
-    g = helper.make_graph(nodes, "lstm", [helper.make_tensor_value_info("x", F, (seq, batch, features))],
-                          [helper.make_tensor_value_info("y", F, (batch, classes))], inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
-
-
 def cases():
     """(name, forward model, loss, optimizer, batches)."""
     bn = dict(np.load(MODELS / "train_step" / "cnn_bn_dynamo.npz"))
@@ -191,14 +190,18 @@ def cases():
                   for _ in range(3)]
     mlp = dict(np.load(MODELS / "mlp_ce_dynamo.npz"))
     mlp_batches = [{"x": floats(8, 16), "target": rng.integers(0, 4, 8).astype(np.int64)} for _ in range(3)]
+    gpt_batches = [{"idx": rng.integers(0, 32, (2, 8)), "pos": np.tile(np.arange(8), (2, 1)),
+                    "t": floats(2, 8, 32)} for _ in range(3)]
     lstm_batches = [{"x": floats(12, 2, 4), "t": rng.integers(0, 3, 2).astype(np.int64)} for _ in range(3)]
     assert mlp["input/x"].shape == (8, 16)
     return [
         ("bn_cnn", str(MODELS / "cnn_bn_dynamo.onnx"), losses.MSELoss(output=str(bn["output"]), target="t"),
          lambda: optim.SGD(lr=0.05, momentum=0.9), bn_batches),
         ("mlp_ce_adamw", str(MODELS / "mlp_ce_dynamo.onnx"), "loss", lambda: optim.AdamW(lr=1e-2), mlp_batches),
-        ("lstm_seq12", lstm_model(), losses.CrossEntropyLoss(output="y", target="t"),
+        ("lstm_seq12", lstm_classifier(), losses.CrossEntropyLoss(output="y", target="t"),
          lambda: optim.SGD(lr=0.1, momentum=0.9), lstm_batches),
+        ("gpt_embeddings", str(MODELS / "gpt_dynamo.onnx"), losses.MSELoss(output="logits", target="t"),
+         lambda: optim.SGD(lr=0.05, momentum=0.9), gpt_batches),
     ]
 
 
@@ -264,10 +267,27 @@ def test_the_canonical_artifacts_are_what_the_checks_refuse(built):
 
 
 def test_the_lstm_gradient_is_wider_than_webgpu_binds_until_rewritten():
-    canonical = build(lstm_model(), losses.CrossEntropyLoss(output="y", target="t"), optim.SGD(lr=0.1))
+    canonical = build(lstm_classifier(), losses.CrossEntropyLoss(output="y", target="t"), optim.SGD(lr=0.1))
     fans = [len(n.input) for n in canonical.train.graph.node if n.op_type == "Concat"] + \
            [len(n.output) for n in canonical.train.graph.node if n.op_type == "Split"]
     assert max(fans) >= webgpu.MAX_BINDINGS          # the silent error's shape: 12 time steps in one node
+
+
+def test_embedding_gradients_as_one_hot_matmuls():
+    # Gather's gradient scatters rows at int64 indices (ScatterND needs int64): one-hot rows and a MatMul instead,
+    # so that the token ids are fed as int32
+    table = numpy_helper.from_array(floats(6, 3), "table")
+    m = one_node("Gather", [("idx", TensorProto.INT64, (2, 4))], [("y", F, (2, 4, 3))], {"axis": 0}, [table])
+    m.graph.node[0].input[:] = ["table", "idx"]
+    gm = build(m, losses.MSELoss(output="y", target="t"), optim.SGD(lr=0.1), target="webgpu")
+    assert not [n for n in gm.train.graph.node if n.op_type == "ScatterND"]
+    assert next(i for i in gm.train.graph.input if i.name == "idx").type.tensor_type.elem_type == TensorProto.INT32
+    canonical = build(m, losses.MSELoss(output="y", target="t"), optim.SGD(lr=0.1))
+    assert [n for n in canonical.train.graph.node if n.op_type == "ScatterND"]
+    batches = [{"idx": np.array([[0, 5, 5, 2], [5, 1, 0, 0]]), "t": floats(2, 4, 3)} for _ in range(2)]
+    (got, gp), (want, wp) = train(gm, batches), train(canonical, batches)       # repeated rows accumulate
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(gp["table"], wp["table"], rtol=1e-5, atol=1e-7)
 
 
 def test_adam_schedule_keeps_float64_off_the_training_graph():

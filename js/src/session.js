@@ -1,6 +1,7 @@
 // A training session over onnxgrad's artifacts (docs/artifacts.md) for any onnxruntime with the
 // onnxruntime-common API: onnxruntime-web (wasm, WebGPU) and onnxruntime-node. The caller passes its ort module.
 import { ELEM_TYPES, readModel, withInitializers } from './onnx.js';
+import { compileSchedule } from './schedule.js';
 import { readState, writeState } from './state.js';
 
 /** @typedef {import('onnxruntime-common').Tensor} Tensor */
@@ -73,7 +74,8 @@ export class TrainingSession {
   /** @type {'raise'|'skip'} */ #onNonfinite;
   /** @type {Record<string, any>} */ #sessionOptions;
   /** @type {InferenceSession | null} */ #train = null;
-  /** @type {InferenceSession | null} */ #schedule = null;
+  /** @type {((inputs: Record<string, import('./schedule.js').Scalar>) => Record<string, import('./schedule.js').Scalar>) | null} the schedule model, compiled */
+  #schedule = null;
   /** @type {InferenceSession | null} */ #eval = null;
   /** @type {Uint8Array | undefined} */ #evalBytes;
   /** @type {Map<string, import('./onnx.js').ValueInfo>} */ #trainInputs = new Map();
@@ -106,6 +108,12 @@ export class TrainingSession {
     this.spec = /** @type {any} */ (null);
   }
 
+  /** The execution provider with its options: WebGPU keeps the models' NCHW layout (converting to its preferred
+   * NHWC put a weight's Transpose on the CPU inside the step). */
+  #provider() {
+    return this.#ep === 'webgpu' ? { name: 'webgpu', preferredLayout: 'NCHW' } : this.#ep;
+  }
+
   /** Where the step runs: the execution provider's name. */
   get executionProvider() {
     return this.#ep;
@@ -134,13 +142,12 @@ export class TrainingSession {
     outputs[spec.loss] = 'cpu';
     outputs[spec.finite] = 'cpu';
     this.#train = await this.#ort.InferenceSession.create(files.train, {
-      executionProviders: [this.#ep], ...this.#sessionOptions,
+      executionProviders: [this.#provider()], ...this.#sessionOptions,
       ...(this.#ep === 'webgpu' ? { preferredOutputLocation: outputs } : {}),
     });
     if (files.schedule) {
       for (const i of readModel(files.schedule).inputs) this.#scheduleInputs.set(i.name, i);
-      const cpu = this.#ep === 'webgpu' || this.#ep === 'wasm' ? 'wasm' : 'cpu';
-      this.#schedule = await this.#ort.InferenceSession.create(files.schedule, { executionProviders: [cpu] });
+      this.#schedule = compileSchedule(files.schedule);
     }
     this.#load(tensors, metadata);
   }
@@ -183,11 +190,15 @@ export class TrainingSession {
     delete this.#metadata.session;         // a Python session's counters: not true once this one has stepped
   }
 
-  /** @param {string} name @param {number | bigint} value */
+  /** @param {string} name @param {number} value a 0-d tensor of the type the training model reads */
   #scalar(name, value) {
-    const input = this.#trainInputs.get(name) ?? this.#scheduleInput(name);
-    const type = ELEM_TYPES[/** @type {keyof typeof ELEM_TYPES} */ (input.elemType)].ort;
-    const data = type === 'int64' ? BigInt64Array.of(BigInt(value)) : new TYPED[/** @type {'float32'} */ (type)]([Number(value)]);
+    return this.#tensor((this.#trainInputs.get(name) ?? this.#scheduleInput(name)).elemType, value);
+  }
+
+  /** @param {number} elemType @param {number} value a 0-d tensor of that ONNX type */
+  #tensor(elemType, value) {
+    const type = ELEM_TYPES[/** @type {keyof typeof ELEM_TYPES} */ (elemType)].ort;
+    const data = type === 'int64' ? BigInt64Array.of(BigInt(value)) : new TYPED[/** @type {'float32'} */ (type)]([value]);
     return new this.#ort.Tensor(/** @type {any} */ (type), data, []);
   }
 
@@ -250,11 +261,15 @@ export class TrainingSession {
     /** @type {Record<string, Tensor>} */
     const feeds = this.#batchFeeds(batch, this.#trainInputs);
     const step = this.stepCount + 1;
-    if (this.#schedule) {
-      /** @type {Record<string, Tensor>} */
+    if (this.#schedule) {            // the step's float64 scalars, computed here (docs/artifacts.md)
+      /** @type {Record<string, import('./schedule.js').Scalar>} */
       const scalars = {};
-      for (const name of this.#schedule.inputNames) scalars[name] = this.#scalar(name, name === spec.lr ? this.lr : step);
-      Object.assign(feeds, await this.#schedule.run(scalars));
+      for (const [name, input] of this.#scheduleInputs) {
+        scalars[name] = { type: input.elemType, value: name === spec.lr ? Math.fround(this.lr) : step };
+      }
+      for (const [name, { type, value }] of Object.entries(this.#schedule(scalars))) {
+        if (this.#trainInputs.has(name)) feeds[name] = this.#tensor(type, value);
+      }
     }
     for (const name of [spec.lr, spec.step]) {
       if (this.#trainInputs.has(name)) feeds[name] = this.#scalar(name, name === spec.lr ? this.lr : step);
@@ -289,7 +304,7 @@ export class TrainingSession {
     if (!this.#eval) {
       for (const i of readModel(this.#evalBytes).inputs) this.#evalInputs.set(i.name, i);
       this.#eval = await this.#ort.InferenceSession.create(this.#evalBytes, {
-        executionProviders: [this.#ep], ...this.#sessionOptions,
+        executionProviders: [this.#provider()], ...this.#sessionOptions,
       });
     }
     const feeds = this.#batchFeeds(batch, this.#evalInputs);
@@ -383,6 +398,6 @@ export class TrainingSession {
   /** Free the sessions and the state's GPU buffers. */
   async release() {
     this.#dispose();
-    for (const s of [this.#train, this.#schedule, this.#eval]) if (s) await s.release();
+    for (const s of [this.#train, this.#eval]) if (s) await s.release();
   }
 }

@@ -16,12 +16,16 @@ get wrong, and the standard ops written here instead:
 - ``SoftmaxCrossEntropyLoss`` and ``NegativeLogLikelihoodLoss`` run as their function bodies, whose
   ``LogSoftmax`` runs on the CPU: written with ``ReduceMax``, ``Exp``, ``ReduceSum``, ``Log``;
 - ``ScatterElements`` runs on the CPU in JSEP: with constant indices, a ``ScatterND`` at the coordinates
-  computed here;
-- the training step's finiteness check (``IsNaN``, ``IsInf``, ``Or`` run on the CPU): ``|x| < FLT_MAX``;
+  computed here; an embedding's gradient (a ``ScatterND`` at int64 indices, which must stay int64 there) as
+  one-hot rows and a ``MatMul``;
+- the training step's finiteness check (``IsNaN``, ``IsInf``, ``Or`` run on the CPU): ``|x| < FLT_MAX``; any
+  other ``IsNaN`` (softmax's gradient on fully masked rows): ``not (x == x)``. Both rely on IEEE comparisons
+  with NaN, which WGSL leaves to the implementation: checked on SwiftShader;
 - nothing of int64 runs on the GPU (arithmetic, comparisons, ``Where``, ``Cast``, ``Unsqueeze``): class labels
   are fed as int32 (:func:`labels_as_int32`), the step count is int32 and the step's float64 scalars move to a
   schedule model run on the CPU (:mod:`onnxgrad.passes.optimize.schedule`);
-- ``Identity`` runs on the CPU in JSEP: readers read its input (:func:`without_identities`).
+- ``Identity`` runs on the CPU in JSEP: readers read its input (:func:`without_identities`);
+- ``And`` and ``Or`` of masks (Clip's gradient) run on the CPU: products and sums of 0/1 floats.
 
 Train-mode ``BatchNormalization`` (refused by both) is :mod:`onnxgrad.passes.optimize.batch_norm`'s, LSTM/GRU/RNN
 (CPU in JSEP) :mod:`onnxgrad.passes.optimize.recurrent`'s.
@@ -301,6 +305,47 @@ SCATTER_ELEMENTS_AS_ND = Rewrite("scatter_elements_as_nd", "ScatterElements", _s
                                  "ScatterElements on the CPU)", forward=None)
 
 
+# -- a scatter-add along the first axis (an embedding's gradient) --------------------------------------------------
+def _row_scatter(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    """ScatterND(zeros, Unsqueeze(idx, [-1]), upd): rows of upd added at idx (Gather's gradient along axis 0)."""
+    unsqueeze = view.made_by(node.input[1], "Unsqueeze")
+    zeros = view.made_by(node.input[0], "ConstantOfShape")
+    if unsqueeze is None or zeros is None or view.attr(node, "reduction", "none") not in ("none", "add"):
+        return None
+    axes = view.value(unsqueeze.input[1]) if len(unsqueeze.input) > 1 else view.attr(unsqueeze, "axes")
+    fill = next((numpy_helper.to_array(a.t) for a in zeros.attribute if a.name == "value"), np.zeros(1))
+    if axes is None or list(np.asarray(axes).reshape(-1)) != [-1] or np.any(fill != 0):
+        return None
+    return Match(node, [node.output[0]], dict(idx=unsqueeze.input[0], upd=node.input[2], out=node.output[0]))
+
+
+def _row_scatter_check(view: GraphView, m: Match) -> str | None:
+    out, idx = view.shape(m.out), view.shape(m.idx)
+    if out is None or idx is None or view.info(m.upd).dtype not in FLOAT_TYPES:
+        return "its shapes are not static or its updates are not floats"
+    return None
+
+
+def _row_scatter_as_matmul(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """out[i] = sum_j [idx_j == i] upd_j = onehot(idx)^T @ upd: the int64 indices a ScatterND needs become a
+    comparison, which computes in int32 (:func:`labels_as_int32`), and a MatMul."""
+    dims = view.shape(m.out)
+    rows, count = dims[0], int(np.prod(view.shape(m.idx), dtype=np.int64))
+    per_row = int(np.prod(dims[1:], dtype=np.int64))
+    hit = b.op.Equal(b.const(np.arange(rows, dtype=np.int64).reshape(rows, 1)),
+                     b.op.Reshape(b.var(m.idx), b.const(np.array([1, count], np.int64))))
+    upd = b.var(m.upd)
+    hot = b.op.Cast(hit, to=view.info(m.upd).dtype)                                           # [rows, count]
+    flat = b.op.Reshape(upd, b.const(np.array([count, per_row], np.int64)))                  # [count, rest]
+    return [b.op.Reshape(b.op.MatMul(hot, flat), b.const(np.array(dims, np.int64)))]
+
+
+ROW_SCATTER_AS_MATMUL = Rewrite("row_scatter_as_matmul", "ScatterND", _row_scatter, _row_scatter_check,
+                                _row_scatter_as_matmul, "an embedding's gradient (rows scattered at int64 indices, "
+                                "which the WebGPU providers compute on the CPU) as one-hot rows and a MatMul",
+                                forward=None)
+
+
 # -- the training step's finiteness check -----------------------------------------------------------------------
 def _finite_check(view: GraphView, node: onnx.NodeProto) -> Match | None:
     """Not(Or(IsNaN(x), IsInf(x)))."""
@@ -324,10 +369,43 @@ FINITE_AS_COMPARE = Rewrite("finite_as_compare", "Not", _finite_check,
                             _finite_as_compare, "isfinite as |x| < FLT_MAX (IsNaN, IsInf, Or run on the CPU)",
                             forward=None)
 
+def _logic(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    return Match(node, [node.output[0]], dict(a=node.input[0], b=node.input[1], op=node.op_type))
+
+
+def _logic_as_arithmetic(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """a and b = [a] * [b] > 0,  a or b = [a] + [b] > 0  ([.]: 1.0 for true, 0.0 for false)."""
+    a, c = (b.op.Cast(b.var(x), to=TensorProto.FLOAT) for x in (m.a, m.b))
+    both = a * c if m.op == "And" else a + c
+    return [b.op.Greater(both, b.scalar(0.0, both))]
+
+
+AND_AS_ARITHMETIC = Rewrite("and_as_arithmetic", "And", _logic, lambda view, m: None, _logic_as_arithmetic,
+                            "And of masks as a product of 0/1 floats (JSEP runs And on the CPU)", forward=None)
+OR_AS_ARITHMETIC = Rewrite("or_as_arithmetic", "Or", _logic, lambda view, m: None, _logic_as_arithmetic,
+                           "Or of masks as a sum of 0/1 floats (both providers run Or on the CPU)", forward=None)
+
+
+def _isnan(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    return Match(node, [node.output[0]], dict(x=node.input[0]))
+
+
+def _isnan_as_compare(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """isnan(x) = not (x == x)  (the one value unequal to itself)."""
+    x = b.var(m.x)
+    return [b.op.Not(b.op.Equal(x, x))]
+
+
+ISNAN_AS_COMPARE = Rewrite("isnan_as_compare", "IsNaN", _isnan,
+                           lambda view, m: None if view.info(m.x).dtype in FLOAT_TYPES else "not a float tensor",
+                           _isnan_as_compare, "IsNaN as Not(x == x) (IsNaN runs on the CPU): softmax's gradient "
+                           "zeroes the rows of a fully masked attention with it", forward=None)
+
 WEBGPU_REWRITES = (SUM_AS_ADDS, MEAN_AS_ADDS, MAX_AS_WHERE, MIN_AS_WHERE, CONCAT_TREE, SPLIT_TREE,
                    CONV_TRANSPOSE_SYMMETRIC, CONV_EXPLICIT, CONV_TRANSPOSE_EXPLICIT, MAX_POOL_TAPS_FLOAT,
                    SOFTMAX_CROSS_ENTROPY_AS_OPS, NLL_AS_OPS,
-                   SCATTER_ELEMENTS_AS_ND, FINITE_AS_COMPARE)
+                   SCATTER_ELEMENTS_AS_ND, ROW_SCATTER_AS_MATMUL, FINITE_AS_COMPARE, ISNAN_AS_COMPARE,
+                   AND_AS_ARITHMETIC, OR_AS_ARITHMETIC)
 
 
 # -- whole-graph passes -------------------------------------------------------------------------------------------

@@ -1,0 +1,85 @@
+// What tests/test_browser.py runs in Chromium: the JavaScript session on onnxruntime-web, on artifacts the test
+// serves under /fx/ (<name>.train.onnx ... and <name>.batches.safetensors: tensors "k/input").
+import { readSafetensors, TrainingSession } from '/js/src/index.js';
+
+const DIST = '/js/node_modules/onnxruntime-web/dist/';
+
+/** @param {string} bundle the onnxruntime-web bundle's file (ort.wasm.min.mjs, ort.all.min.mjs, ort.webgpu.min.mjs) */
+async function ortOf(bundle) {
+  const ort = await import(DIST + bundle);
+  ort.env.wasm.wasmPaths = DIST;
+  ort.env.wasm.numThreads = 1;          // no cross-origin isolation on this page
+  return ort;
+}
+
+/** @param {string} url */
+async function bytes(url) {
+  const r = await fetch(url);
+  if (!r.ok) throw new Error(`${url}: ${r.status}`);
+  return new Uint8Array(await r.arrayBuffer());
+}
+
+/** The k-th batch: tensors named "k/input". @param {Map<string, any>} tensors @param {number} k */
+function batch(tensors, k) {
+  /** @type {Record<string, {data: any, dims: number[]}>} */
+  const out = {};
+  for (const [key, e] of tensors) {
+    const [index, input] = key.split('/');
+    if (Number(index) !== k) continue;
+    const Kind = { F32: Float32Array, I64: BigInt64Array, I32: Int32Array }[/** @type {'F32'} */ (e.dtype)];
+    out[input] = { data: new Kind(e.bytes.slice().buffer), dims: e.shape };
+  }
+  return out;
+}
+
+/** @param {Uint8Array} b */
+function base64(b) {
+  let s = '';
+  for (let i = 0; i < b.length; i += 0x8000) s += String.fromCharCode(...b.subarray(i, i + 0x8000));
+  return btoa(s);
+}
+
+/**
+ * Train ``steps`` steps of fixture ``name`` on ``ep`` with ``bundle``: the losses, the checkpoint after them
+ * (base64) and the median ms per step after the first.
+ * @param {{bundle: string, ep: string, name: string, steps: number, schedule: boolean}} cfg
+ */
+window.train = async ({ bundle, ep, name, steps, schedule }) => {
+  const ort = await ortOf(bundle);
+  const fx = `/fx/${name}`;
+  const session = await TrainingSession.create(ort, {
+    train: await bytes(`${fx}.train.onnx`), state: await bytes(`${fx}.state.safetensors`),
+    eval: await bytes(`${fx}.eval.onnx`), schedule: schedule ? await bytes(`${fx}.schedule.onnx`) : undefined,
+  }, { executionProvider: ep });
+  const { tensors } = readSafetensors(await bytes(`${fx}.batches.safetensors`));
+  const losses = [];
+  const ms = [];
+  for (let k = 0; k < steps; k++) {
+    const t0 = performance.now();
+    losses.push(await session.step(batch(tensors, k)));
+    ms.push(performance.now() - t0);
+  }
+  const checkpoint = base64(await session.save());
+  await session.release();
+  const later = ms.slice(1).sort((a, b) => a - b);
+  return { losses, checkpoint, ms: later[Math.floor(later.length / 2)] ?? ms[0] };
+};
+
+/**
+ * Create a session of fixture ``name``'s training model with onnxruntime's verbose log, whose lines name where
+ * each node was placed (the test reads them from the console).
+ * @param {{bundle: string, ep: string, name: string}} cfg
+ */
+window.placements = async ({ bundle, ep, name }) => {
+  const ort = await ortOf(bundle);
+  ort.env.logLevel = 'verbose';
+  const s = await ort.InferenceSession.create(await bytes(`/fx/${name}.train.onnx`), {
+    executionProviders: [ep === 'webgpu' ? { name: 'webgpu', preferredLayout: 'NCHW' } : ep],
+    logSeverityLevel: 0, logVerbosityLevel: 0,     // the session's layout (js/src/session.js)
+  });
+  await s.release();
+  ort.env.logLevel = 'warning';
+  return true;
+};
+
+window.ready = true;
