@@ -65,5 +65,15 @@ class ExportWarning(UserWarning):
     function of it, parameters merged beyond telling apart); the message names the tensors and the way out."""
 
 
+class FeedError(OnnxGradError):
+    """A batch does not fit the model's data inputs (rank, a size, the batch size the inputs share, the element
+    type): checked before the run; the message names each input, what the model declares and what was given."""
+
+
+class FeedConversionWarning(UserWarning):
+    """A batch of another element type was converted to the input's where no value changes (int32 labels to
+    int64); said once per input and session."""
+
+
 class RuleError(Exception):
     """A gradient rule broke its contract (a bug in onnxgrad or in a user's rule, not in the model)."""
