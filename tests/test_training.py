@@ -750,7 +750,7 @@ def test_cli_writes_training_and_eval_models(tmp_path, capsys):
     model = tmp_path / "mlp.onnx"
     onnx.save(mlp_model(), model)
     rc = cli_main([str(model), "--loss-fn", "cross_entropy", "--target", "y", "--optimizer", "adamw",
-                   "--lr", "0.01", "--clip-grad-norm", "5"])
+                   "--lr", "0.01", "--clip-grad-norm", "5", "-v"])
     out = capsys.readouterr().out
     assert rc == 0
     train = onnx.load(tmp_path / "mlp.train.onnx")
