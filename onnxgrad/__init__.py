@@ -29,6 +29,8 @@ _rules_beside_the_package()
 from .errors import (
     ExportFoldedError,
     ExportWarning,
+    FeedConversionWarning,
+    FeedError,
     InvalidModelError,
     NonFloatError,
     OnnxGradError,
@@ -82,6 +84,8 @@ __all__ = [
     "OnnxGradError",
     "ExportFoldedError",
     "ExportWarning",
+    "FeedError",
+    "FeedConversionWarning",
     "InvalidModelError",
     "UnknownNameError",
     "NonFloatError",

@@ -1,8 +1,71 @@
-"""The errors a user can cause. Every one is an :class:`OnnxGradError`."""
+"""The errors a user can cause. Every one is an :class:`OnnxGradError`.
+
+A message that tells the user what to pass names it in the caller's words: the Python keyword (``of=['y']``)
+from the API, the flag (``--of y``) from the command line. Messages write such a phrase with :func:`arg` (or
+:func:`spelt`); ``str(error)`` reads as Python, ``error.on_command_line()`` as flags.
+"""
 from __future__ import annotations
 
+import re
+from typing import Iterable, Sequence
 
-class OnnxGradError(Exception):
+# the keyword arguments messages tell a user to pass and the command line's flag for each (for a bool, the
+# flag that sets the value the message asks for): the one table both spellings come from
+FLAGS = {
+    "loss": "--loss", "of": "--of", "wrt": "--wrt", "allow_unused": "--allow-unused",
+    "trainable": "--train", "frozen": "--freeze", "train_mode": "--eval-mode", "strict_tags": "--strict-tags",
+    "target": "--target", "output": "--predictions",
+}
+_SPELT = re.compile("\ue000([^\ue001]*)\ue001([^\ue002]*)\ue002")
+
+
+def spelt(python: str, command_line: str) -> str:
+    """A phrase of a message with its two spellings: ``python`` for the API, ``command_line`` for the CLI."""
+    return f"\ue000{python}\ue001{command_line}\ue002"
+
+
+def arg(name: str, value: str | bool | Sequence[str] | None = None) -> str:
+    """Keyword argument ``name`` as a message tells the user to pass it: ``of=['y']`` / ``--of y`` (a list of
+    names), ``wrt=...`` / ``--wrt ...`` (a placeholder), ``train_mode=False`` / ``--eval-mode`` (a bool),
+    ``loss=`` / ``--loss`` (None: the argument alone)."""
+    flag = FLAGS[name]
+    if value is None:
+        return spelt(f"{name}=", flag)
+    if isinstance(value, bool):
+        return spelt(f"{name}={value}", flag)
+    if isinstance(value, str):
+        return spelt(f"{name}={value}", f"{flag} {value}")
+    return spelt(f"{name}={list(value)!r}", f"{flag} {' '.join(value)}")
+
+
+def in_python(message: str) -> str:
+    return _SPELT.sub(r"\1", message)
+
+
+def on_command_line(message: str) -> str:
+    return _SPELT.sub(r"\2", message)
+
+
+def some(names: Iterable[str], shown: int = 5, quoted: bool = True) -> str:
+    """``'a', 'b', 'c', 'd', 'e' and 15 more``: the first ``shown`` names (``quoted``) and a count of the rest, so
+    a message stays a line however large the model."""
+    names = list(names)
+    head = ", ".join(map(repr, names[:shown]) if quoted else names[:shown])
+    return head + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+class _Spelt:
+    """An exception or warning whose message may hold :func:`spelt` phrases: ``str()`` gives the Python
+    spelling, :meth:`on_command_line` the flags'."""
+
+    def __str__(self) -> str:
+        return in_python(super().__str__())
+
+    def on_command_line(self) -> str:
+        return on_command_line(super().__str__())
+
+
+class OnnxGradError(_Spelt, Exception):
     """Base of every error caused by the model or the arguments given to onnxgrad."""
 
 
@@ -45,7 +108,7 @@ class UnsupportedOpError(OnnxGradError):
             head = f"no gradient rule for {len(parts)} op type(s) on the path to the outputs: "
         super().__init__(
             head + ", ".join(parts)
-            + "; differentiate with respect to tensors after these nodes (wrt=...), "
+            + f"; differentiate with respect to tensors after these nodes ({arg('wrt', '...')}), "
             "or write a rule with onnxgrad.register_rule"
         )
 
@@ -60,9 +123,19 @@ class ExportFoldedError(OnnxGradError):
     PyTorch's ``model.train()`` would. The message names the tensors and the way out."""
 
 
-class ExportWarning(UserWarning):
+class ExportWarning(_Spelt, UserWarning):
     """The exporter did something that makes training differ from PyTorch's (a parameter folded into a
     function of it, parameters merged beyond telling apart); the message names the tensors and the way out."""
+
+
+class FeedError(OnnxGradError):
+    """A batch does not fit the model's data inputs (rank, a size, the batch size the inputs share, the element
+    type): checked before the run; the message names each input, what the model declares and what was given."""
+
+
+class FeedConversionWarning(_Spelt, UserWarning):
+    """A batch of another element type was converted to the input's where no value changes (int32 labels to
+    int64); said once per input and session."""
 
 
 class RuleError(Exception):

@@ -230,3 +230,84 @@ def test_optimize_for_and_recompute_reach_the_gradient_and_the_training_models(t
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--group" in err
     assert not (tmp_path / "other.onnx").exists()
+
+
+# -- the command line's words: flags, not Python arguments --------------------------------------------------
+@pytest.fixture
+def tiny(tmp_path):
+    """x [4, 3] @ W [3, 2] -> Tanh -> y [4, 2]: one output, not a scalar."""
+    w = numpy_helper.from_array(np.random.default_rng(0).standard_normal((3, 2)).astype(np.float32), "W")
+    return save(tmp_path, "tiny.onnx", [helper.make_node("MatMul", ["x", "W"], ["h"]),
+                                        helper.make_node("Tanh", ["h"], ["y"])],
+                [helper.make_tensor_value_info("x", F, [4, 3])], [helper.make_tensor_value_info("y", F, [4, 2])],
+                [w])
+
+
+@pytest.mark.parametrize("args, flags, python", [
+    (["--loss", "y"], "loss 'y' has shape [4, 2], not a scalar; use --of y to seed it",
+     "loss 'y' has shape [4, 2], not a scalar; use of=['y'] to seed it"),
+    (["--loss", "nope"], "loss 'nope' is not an output of the model (outputs: y); name the loss output with --loss, "
+     "or append a loss with --loss-fn", "loss 'nope' is not an output of the model (outputs: y); name the loss "
+     "output with loss=, or append a loss from onnxgrad.losses"),
+])
+def test_errors_name_the_flags_on_the_command_line_and_the_keywords_in_python(tiny, capsys, args, flags, python):
+    """One error, two spellings: the command line says --of y where the API says of=['y']."""
+    assert CLI.main([str(tiny), *args]) == 2
+    assert capsys.readouterr().err == f"error: {flags}\n"
+    with pytest.raises(onnxgrad.OnnxGradError) as e:
+        onnxgrad.grad(str(tiny), loss=args[1])
+    assert str(e.value) == python and e.value.on_command_line() == flags
+
+
+def test_help_lists_every_command_and_says_where_lr_lives():
+    text = " ".join(CLI._grad_parser().format_help().split())
+    for command in CLI.COMMANDS:
+        assert f"python -m onnxgrad {command}" in text, command
+    assert "--lr LR initial learning rate: the value of the required lr input in <stem>.state.safetensors" in text
+    assert "stored as" not in text
+
+
+def test_a_folded_export_is_refused_with_the_way_out_first_and_a_few_names(tmp_path, capsys):
+    """8 convolutions whose weights TorchScript computed by folding BatchNorm into them (an eval-mode export):
+    the refusal leads with what to do, names 5 of them and counts the rest, in the command line's words."""
+    rng = np.random.default_rng(0)
+    nodes, weights, x = [], [], "x"
+    for k in range(8):
+        weights.append(numpy_helper.from_array(rng.standard_normal((2, 2, 1, 1)).astype(np.float32),
+                                               f"onnx::Conv_{100 + k}"))
+        nodes.append(helper.make_node("Conv", [x, f"onnx::Conv_{100 + k}"], [f"h{k}"], name=f"conv{k}"))
+        x = f"h{k}"
+    nodes.append(helper.make_node("Identity", [x], ["y"]))
+    path = save(tmp_path, "folded.onnx", nodes, [helper.make_tensor_value_info("x", F, [1, 2, 4, 4])],
+                [helper.make_tensor_value_info("y", F, [1, 2, 4, 4])], weights)
+    assert CLI.main([str(path), "--loss-fn", "mse", "--target", "t", "--optimizer", "sgd"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and len(err) < 700, err
+    assert err.startswith("error: cannot train as PyTorch would: export with onnxgrad.from_torch(module, args)")
+    assert "or pass --eval-mode to train the folded weights" in err and "train_mode" not in err
+    assert "the weights of 8 convolution(s) by constant folding ('conv0', 'conv1', 'conv2', 'conv3', 'conv4' and " \
+           "3 more)" in err
+    with pytest.raises(onnxgrad.ExportFoldedError, match="or pass train_mode=False to train the folded weights"):
+        onnxgrad.TrainingSession(onnxgrad.losses.mse_loss(onnx.load(path), target="t"), loss="loss")
+
+
+def test_training_artifacts_print_a_summary_and_every_tensor_with_v(tmp_path, capsys):
+    from pathlib import Path
+
+    model = tmp_path / "mlp.onnx"
+    model.write_bytes((Path(__file__).resolve().parents[1] / "models" / "training" / "mlp.onnx").read_bytes())
+    args = [str(model), "--loss-fn", "cross_entropy", "--target", "y", "--optimizer", "adamw"]
+    assert CLI.main(args) == 0
+    short = capsys.readouterr().out.splitlines()
+    assert short[-3:] == [
+        "training inputs: data x float32 [N, 8], y int64 [N]; from mlp.state.safetensors: 4 parameter(s), "
+        "8 optimizer-state tensor(s), lr, step",
+        "training outputs: loss, finite, grad_norm; and 13 <name>.next to feed back as <name> for the next step",
+        "(-v lists every parameter, input and output)"]
+    assert "trainable parameters of loss 'loss': 4" in short and not any("exp_avg" in line for line in short)
+    assert CLI.main([*args, "-v"]) == 0
+    full = capsys.readouterr().out.splitlines()
+    assert "  0.weight: PyTorch parameter (exporter metadata)" in full
+    assert any(line.startswith("  0.weight.exp_avg: float32 [16, 8]") for line in full)
+    assert any(line.startswith("  step.next: int64 []") for line in full)
+    assert len(full) > len(short) + 30

@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..errors import NonFloatError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError
+from ..errors import NonFloatError, RuleError, UnknownNameError, UnsupportedOpError, UnusedError, arg
 from ..ir import graph as G
 from ..ir import model as M
 from ..ir.builder import Builder, Var
@@ -214,7 +214,7 @@ class _Pass:
                 else:
                     why = "does not influence it"
                 raise UnusedError(f"wrt '{name}' {why}: it has no gradient with respect to {self.objective.what}; "
-                                  "pass allow_unused=True to get zeros for it")
+                                  f"pass {arg('allow_unused', True)} to get zeros for it")
         g = self.model.graph
         taken = set(self.known) | {o.name for o in g.output} | {n.name for n in self.nodes}
         self.names = NameScope(taken)

@@ -41,7 +41,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..errors import UnknownNameError
+from ..errors import UnknownNameError, arg, in_python, on_command_line, some
 from ..ir import model as M
 from ..ir.load import parse
 from ..ir.model import ParsedModel
@@ -70,7 +70,8 @@ _REPEAT_CHECK_LIMIT = 1 << 22
 # named (non-generated) tensors larger than this are not read for the mask checks
 _VALUE_CHECK_LIMIT = 1 << 24
 NO_FOLDING_HINT = ("to train it, export with onnxgrad.from_torch(module, args) (or torch.onnx.export(..., "
-                   "dynamo=True, optimize=False)) so that the parameter stays one tensor, or name it in trainable=")
+                   "dynamo=True, optimize=False)) so that the parameter stays one tensor, or name it in "
+                   + arg("trainable"))
 REEXPORT_HINT = ("export with onnxgrad.from_torch(module, args), or torch.onnx.export(..., dynamo=True, "
                  "optimize=False) with the module as it trains")
 NODE_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
@@ -101,9 +102,11 @@ class Parameter:
     zeros: tuple[int, ...] | None = None    # a zero bias the exporter dropped: restored as zeros of this shape
     rows_of: str | None = None        # the rows a folded Expand/Gather repeated: restore_ties expands them
 
-    def line(self) -> str:
+    def line(self, command_line: bool | None = False) -> str:
+        """``name (PyTorch 'torch.name'): reason``, its advice in the API's words or the command line's (None:
+        both kept, for a message that embeds it: onnxgrad.errors.spelt)."""
         torch = f" (PyTorch '{self.torch_name}')" if self.torch_name and self.torch_name != self.name else ""
-        return f"{self.name}{torch}: {self.reason}"
+        return _spelling(command_line)(f"{self.name}{torch}: {self.reason}")
 
 
 @dataclass(frozen=True)
@@ -119,8 +122,14 @@ class Finding:
     message: str                # what happened, what it changes, and the way out
     refused_in_train_mode: bool = False
 
-    def line(self) -> str:
-        return self.message
+    def line(self, command_line: bool | None = False) -> str:
+        return _spelling(command_line)(self.message)
+
+
+def _spelling(command_line: bool | None):
+    """How a report's line names the arguments to pass: as the API's keywords, the command line's flags, or
+    both kept (None)."""
+    return (lambda text: text) if command_line is None else on_command_line if command_line else in_python
 
 
 class ParameterReport:
@@ -153,17 +162,18 @@ class ParameterReport:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def lines(self) -> list[str]:
-        """A readable table: the trainable tensors, then those left out with their reasons."""
+    def lines(self, command_line: bool = False) -> list[str]:
+        """A readable table: the trainable tensors, then those left out with their reasons (the advice in the
+        command line's flags with ``command_line``)."""
         out = [f"trainable parameters of {self.what}: {len(self.trainable)}"]
-        out += ["  " + p.line() for p in self.entries if p.trainable]
+        out += ["  " + p.line(command_line) for p in self.entries if p.trainable]
         left = self.left_out
         if left:
             out.append(f"float initializers not trained: {len(left)}")
-            out += ["  " + p.line() for p in left]
+            out += ["  " + p.line(command_line) for p in left]
         if self.findings:
             out.append(f"what the exporter did that training cannot undo: {len(self.findings)}")
-            out += ["  " + f.line() for f in self.findings]
+            out += ["  " + f.line(command_line) for f in self.findings]
         return out
 
     def __repr__(self) -> str:
@@ -502,55 +512,54 @@ def _split_off(target: str, holder: Parameter | None, uses: tuple, what: str, fr
 
 def _findings(model: onnx.ModelProto, facts: _ModelFacts, merges: list[tuple[str, str, tuple, str]],
               decisions: list[Parameter]) -> list[Finding]:
-    """What the exporter did that training cannot take back, each with the way out."""
+    """What the exporter did that training cannot take back, each the way out first, then what happened with a
+    few of the tensors and a count (a ResNet's list would make a line of 1,400 characters)."""
     g = model.graph
     out = []
+    frozen_stats = (f"or pass {arg('train_mode', False)} to train the folded weights with the statistics frozen "
+                    "(not PyTorch's parameters: a different update)")
     copies = [p for p in decisions if not p.trainable and p.torch_name and not p.tied_to and not p.merged_into
               and ("repeats elements" in p.reason or "second copy" in p.reason)]
     if copies:
         out.append(Finding("copy_left_out", tuple(p.name for p in copies), (
-            "the exporter folded copies of PyTorch parameters that onnxgrad cannot train as the parameter ("
-            + ", ".join(f"'{p.name}' of '{p.torch_name}'" for p in copies[:4]) + (", ..." if len(copies) > 4 else "")
-            + "): PyTorch trains the parameter through them, onnxgrad leaves them as exported; " + REEXPORT_HINT)))
+            f"{REEXPORT_HINT}: the exporter folded {len(copies)} copies of PyTorch parameters that onnxgrad cannot "
+            "train as the parameter (" + some((f"'{p.name}' of '{p.torch_name}'" for p in copies), quoted=False)
+            + "): PyTorch trains the parameter through them, onnxgrad leaves them as exported")))
     folded = facts.folded_batch_norms
     if folded:
         # the fused convolution's weight keeps the parameter's name but lost its own metadata
-        weights = [i.name for i in g.initializer
-                   if i.name in facts.kinds and KIND_KEY not in facts.meta.get(i.name, {})]
+        fused = any(i.name in facts.kinds and KIND_KEY not in facts.meta.get(i.name, {}) for i in g.initializer)
         out.append(Finding("batchnorm_folded", tuple(folded), (
-            f"the exporter folded BatchNorm {', '.join(map(repr, folded))} into the preceding convolution(s)"
-            + (f" ({', '.join(map(repr, weights))} hold W*gamma/sigma)" if weights else "")
-            + ": the graph has no batch statistics to train on nor running statistics to update, so it cannot train "
-            f"as model.train() does; {REEXPORT_HINT}; train_mode=False trains the folded weights with the statistics "
-            "frozen (not PyTorch's parameters: a different update)"), refused_in_train_mode=True))
+            f"{REEXPORT_HINT}, {frozen_stats}; the exporter folded {len(folded)} BatchNorm(s) into the preceding "
+            f"convolutions ({some(folded)})" + (", whose weights hold W*gamma/sigma" if fused else "")
+            + ": the graph has no batch statistics to train on nor running statistics to update, so it cannot "
+            "train as model.train() does"), refused_in_train_mode=True))
     if not facts.kinds:       # no signature (TorchScript): a folded Conv weight has a generated name
         convs = [n for n in g.node if n.op_type in ("Conv", "ConvTranspose") and len(n.input) > 1
                  and _TORCHSCRIPT_FOLDED_CONV.match(n.input[1])]
         if convs and not any(n.op_type == "BatchNormalization" for n in g.node):
             out.append(Finding("batchnorm_folded", tuple(n.input[1] for n in convs), (
-                f"the exporter computed the weights of {len(convs)} convolution(s) by constant folding ("
-                + ", ".join(f"'{n.input[1]}' of '{n.name}'" for n in convs[:4]) + (", ..." if len(convs) > 4 else "")
-                + "), as torch.onnx.export does when it folds BatchNorm into them (an eval-mode export): training "
-                f"them has no batch statistics and trains W*gamma/sigma, not PyTorch's parameters; {REEXPORT_HINT} "
-                "(TorchScript: training=torch.onnx.TrainingMode.PRESERVE keeps BatchNormalization); train_mode=False "
-                "trains the folded weights with the statistics frozen"), refused_in_train_mode=True))
+                f"{REEXPORT_HINT} (TorchScript: training=torch.onnx.TrainingMode.PRESERVE keeps "
+                f"BatchNormalization), {frozen_stats}; the exporter computed the weights of {len(convs)} "
+                f"convolution(s) by constant folding ({some(n.name for n in convs)}), as torch.onnx.export does "
+                "when it folds BatchNorm into them (an eval-mode export): training them has no batch statistics "
+                "and trains W*gamma/sigma, not PyTorch's parameters"), refused_in_train_mode=True))
     split = {t for t, _, _, _ in merges}
     unresolved = [t for t, kind in facts.kinds.items() if kind == "PARAMETER" and t not in facts.held
                   and t not in split and t.rpartition(".")[0] not in folded]
     if unresolved:
         out.append(Finding("merged", tuple(unresolved), (
-            f"{len(unresolved)} PyTorch parameter(s) of the module are not in the graph ("
-            + ", ".join(map(repr, unresolved[:6])) + (", ..." if len(unresolved) > 6 else "")
-            + "): the exporter merged them into tensors of equal values or folded them into constants (or the "
-            "forward does not use them), and which tensor holds each cannot be told, so they are not trained as "
-            f"PyTorch trains them; {REEXPORT_HINT}")))
+            f"{REEXPORT_HINT}: {len(unresolved)} PyTorch parameter(s) of the module are not in the graph ("
+            f"{some(unresolved)}): the exporter merged them into tensors of equal values or folded them into "
+            "constants (or the forward does not use them), and which tensor holds each cannot be told, so they "
+            "are not trained as PyTorch trains them")))
     for name in (i.name for i in g.initializer if facts.folded_from(i.name)):
         sources = facts.parameter_sources(name)
         if sources and _FUNCTION_OF.match(name):
             out.append(Finding("not_one_to_one", (name, *sources), (
-                f"the exporter folded a function of PyTorch parameter {', '.join(map(repr, sources))} into the "
+                f"{REEXPORT_HINT}: the exporter folded a function of PyTorch parameter {some(sources)} into the "
                 f"constant '{name}': PyTorch trains the parameter, onnxgrad cannot (training '{name}' instead "
-                f"would be a different update), so it stays as exported; {REEXPORT_HINT}")))
+                "would be a different update), so it stays as exported")))
     if not facts.kinds:       # TorchScript: equal-valued parameters of different modules share one initializer
         shared = []
         for init in g.initializer:
@@ -563,11 +572,11 @@ def _findings(model: onnx.ModelProto, facts: _ModelFacts, merges: list[tuple[str
                 shared.append(f"'{init.name}' (also read by {', '.join(map(repr, others[:2]))})")
         if shared:
             out.append(Finding("merged", tuple(shared), (
-                f"{len(shared)} initializer(s) are read by other modules besides their own ("
-                + ", ".join(shared[:4]) + (", ..." if len(shared) > 4 else "") + "): the TorchScript exporter "
-                "merges parameters of equal values (zero biases, LayerNorm weights of 1, layers cloned from one "
-                "another) into one initializer, so PyTorch's separate parameters would train as one; TorchScript "
-                f"records no signature to tell them from parameters tied on purpose; {REEXPORT_HINT}")))
+                f"{REEXPORT_HINT}: {len(shared)} initializer(s) are read by other modules besides their own ("
+                + some(shared, quoted=False) + "): the TorchScript exporter merges parameters of equal values "
+                "(zero biases, LayerNorm weights of 1, layers cloned from one another) into one initializer, so "
+                "PyTorch's separate parameters would train as one; TorchScript records no signature to tell them from "
+                "parameters tied on purpose")))
     return out
 
 

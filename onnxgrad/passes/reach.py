@@ -22,7 +22,7 @@ from typing import Iterable, Mapping, NamedTuple, Sequence
 
 import onnx
 
-from ..errors import NonFloatError, UnknownNameError
+from ..errors import NonFloatError, UnknownNameError, arg, spelt
 from ..ir import model as M
 from ..ir.model import WITH_BODIES, ParsedModel, TensorInfo
 from ..rules.registry import Rule, get_rule, get_schema, schema_differentiable_inputs
@@ -159,13 +159,13 @@ class Objective:
     def _outputs(self, of: Sequence[str] | None, loss: str | None) -> tuple[str | None, list[str]]:
         infos = self.parsed.infos
         if loss is not None and of:
-            raise UnknownNameError("give either loss= or of=, not both")
+            raise UnknownNameError(f"give either {arg('loss')} or {arg('of')}, not both")
         if loss is not None:
             self._check_output(loss, "loss")
             shape = infos[loss].shape if loss in infos else None
             if shape is not None and any(d != 1 for d in shape):
                 raise UnknownNameError(
-                    f"loss '{loss}' has shape {list(shape)}, not a scalar; use of=['{loss}'] to seed it")
+                    f"loss '{loss}' has shape {list(shape)}, not a scalar; use {arg('of', [loss])} to seed it")
             return loss, []
         if of:
             for name in of:
@@ -183,7 +183,8 @@ class Objective:
     def _check_output(self, name: str, what: str) -> None:
         outputs = self.parsed.output_names
         if name not in outputs:
-            hint = "; name the loss output with loss=, or append a loss from onnxgrad.losses" if what == "loss" else ""
+            hint = (f"; name the loss output with {arg('loss')}, or append a loss "
+                    + spelt("from onnxgrad.losses", "with --loss-fn") if what == "loss" else "")
             raise UnknownNameError(
                 f"{what} '{name}' is not an output of the model (outputs: {', '.join(outputs)}){hint}")
         if not M.is_float(self.parsed.infos.get(name)):

@@ -85,7 +85,8 @@ def _grad_parser() -> argparse.ArgumentParser:
         description="Append the backward graph to an ONNX model: gradients as standard ONNX ops.",
         epilog="Other commands: 'python -m onnxgrad ops' lists rule coverage of every ai.onnx op; "
         "'python -m onnxgrad params MODEL' lists the trainable parameters and why other initializers are left "
-        "out; 'python -m onnxgrad lower MODEL' replaces ai.onnx.preview.training ops by standard ones.",
+        "out; 'python -m onnxgrad lower MODEL' replaces ai.onnx.preview.training ops by standard ones; "
+        "'python -m onnxgrad jvp MODEL --wrt NAME ...' appends the forward-mode (tangent) graph.",
     )
     p.add_argument("model", help="the forward model (.onnx)")
     p.add_argument("-o", "--output", help="where to write the gradient model (default: <stem>.grad.onnx beside MODEL)")
@@ -121,6 +122,9 @@ def _grad_parser() -> argparse.ArgumentParser:
     p.add_argument("--check-sample", type=int, default=CHECK_SAMPLE, metavar="K",
                    help=f"--check compares at most K gradients one by one (a random choice) and all of them "
                    f"together along random directions (default {CHECK_SAMPLE}; 0: the joint check alone)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="with --optimizer: list every parameter, input and output of the training model (default: "
+                   "a summary with their counts)")
     p.add_argument("--version", action="version", version=f"onnxgrad {_version()}")
     _training_arguments(p)
     return p
@@ -148,7 +152,8 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
         "per step) to -o (default <stem>.train.onnx) and an eval model (forward, parameters as inputs) "
         "to --eval-output; both list their inputs and outputs")
     tg.add_argument("--optimizer", choices=sorted(OPTIMIZERS), help="the optimizer (PyTorch update rules)")
-    tg.add_argument("--lr", type=float, help="initial learning rate, stored as the lr input's default "
+    tg.add_argument("--lr", type=float, help="initial learning rate: the value of the required lr input in "
+                    "<stem>.state.safetensors, which the training loop feeds (and a scheduler changes) each step "
                     "(default: the optimizer's)")
     tg.add_argument("--momentum", type=float, help="sgd")
     tg.add_argument("--dampening", type=float, help="sgd")
@@ -228,7 +233,7 @@ def run_grad(args: argparse.Namespace) -> int:
         report = parameters(model, loss=loss_name, of=args.of, strict_tags=args.strict_tags)
         model = restore_ties(model, report)       # merged tensors split off, tied copies computed
         if not report.trainable:
-            left = "; ".join(p.line() for p in report.left_out[:5]) + (" ..." if len(report.left_out) > 5 else "")
+            left = "; ".join(p.line(None) for p in report.left_out[:5]) + (" ..." if len(report.left_out) > 5 else "")
             raise OnnxGradError("no trainable parameter found" + (f" (float initializers left out: {left})" if left
                                                                  else " (the model has no float initializer)")
                                 + "; name the tensors to differentiate with --wrt")
@@ -393,9 +398,14 @@ def run_train(args: argparse.Namespace) -> int:
     print(f"built in {build_s:.3f} s")
     for line in _speed_lines(art.train):
         print(line)
-    for line in art.report.lines() if art.report is not None else []:
+    report = art.report.lines(command_line=True) if art.report is not None else []
+    for line in report if args.verbose else [line for line in report if not line.startswith("  ")]:
         print(line)
     print("optimizer: " + ", ".join(f"{k}={v}" for k, v in spec.optimizer.items()))
+    if not args.verbose:
+        for line in _io_summary(art, os.path.basename(init_path)):
+            print(line)
+        return 0
     for line in _io_table(f"training inputs (state inputs start from {os.path.basename(init_path)}):",
                           art.train.graph.input):
         print(line)
@@ -403,6 +413,27 @@ def run_train(args: argparse.Namespace) -> int:
                           art.train.graph.output):
         print(line)
     return 0
+
+
+def _io_summary(art, state_file: str) -> list[str]:
+    """The training model's inputs and outputs in three lines: the data by name, the state by count, the
+    outputs to read by name and those to feed back by count (-v lists them all)."""
+    spec, graph = art.spec, art.train.graph
+    inputs = {vi.name: vi for vi in graph.input}
+    kinds = {"parameter(s)": list(spec.params),
+             "optimizer-state tensor(s)": [i for st in spec.state.values() for i, _ in st.values()],
+             "running statistic(s)": [i for i, _ in spec.buffers.values()],
+             "gradient accumulator(s)": [i for i, _ in spec.accumulators.values()]}
+    held = {name for names in kinds.values() for name in names} | set(spec.data_inputs)
+    data = ", ".join(f"{n} {_onnx_type_name(inputs[n].type.tensor_type.elem_type)} {_shape_text(inputs[n])}"
+                     for n in spec.data_inputs if n in inputs)
+    state = ", ".join(f"{len(names)} {kind}" for kind, names in kinds.items() if names)
+    scalars = ", ".join(n for n in inputs if n not in held)
+    fed_back = [o.name for o in graph.output if o.name.endswith(".next") and o.name[:-len(".next")] in inputs]
+    read = ", ".join(o.name for o in graph.output if o.name not in fed_back)
+    return [f"training inputs: data {data or '(none)'}; from {state_file}: {state}, {scalars}",
+            f"training outputs: {read}; and {len(fed_back)} <name>.next to feed back as <name> for the next step",
+            "(-v lists every parameter, input and output)"]
 
 
 def run_params(argv: Sequence[str]) -> int:
@@ -420,7 +451,7 @@ def run_params(argv: Sequence[str]) -> int:
     from ..passes.params import parameters
 
     report = parameters(args.model, loss=args.loss, of=args.of, frozen=args.freeze, strict_tags=args.strict_tags)
-    for line in report.lines():
+    for line in report.lines(command_line=True):
         print(line)
     return 0
 
@@ -513,25 +544,15 @@ def run_jvp(argv: Sequence[str]) -> int:
 COMMANDS = {"ops": run_ops, "lower": run_lower, "params": run_params, "jvp": run_jvp}
 
 
-# the losses' messages name their Python arguments; on the command line they are flags
-_FLAG_OF = {"target=": "--target", "output=": "--predictions"}
-
-
-_FLAG_FOR = {"train_mode=False": "--eval-mode", "trainable=": "--train"}
-
-
-def _as_flags(message: str) -> str:
-    """A message naming Python arguments, with the command line's flags for them."""
-    for argument, flag in _FLAG_OF.items():
-        message = message.replace(f"with {argument}", f"with {flag}")
-    for argument, flag in _FLAG_FOR.items():
-        message = message.replace(argument, flag)
-    return message
+def _in_flags(message: Exception | str) -> str:
+    """An error's or a warning's message with the arguments it tells the user to pass as the command line's
+    flags (``--of y``, not ``of=['y']``: onnxgrad.errors.arg)."""
+    return message.on_command_line() if hasattr(message, "on_command_line") else str(message)
 
 
 def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
     """onnxgrad's warnings as one ``warning: ...`` line each, as errors are one ``error: ...`` line."""
-    print(f"warning: {_as_flags(str(message))}", file=sys.stderr if file is None else file)
+    print(f"warning: {_in_flags(message)}", file=sys.stderr if file is None else file)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -545,7 +566,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return COMMANDS[argv[0]](argv[1:])
             return run_grad(_grad_parser().parse_args(argv))
     except OnnxGradError as e:
-        print(f"error: {_as_flags(str(e))}", file=sys.stderr)
+        print(f"error: {_in_flags(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)

@@ -43,7 +43,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from ..errors import ExportFoldedError, ExportWarning, OnnxGradError, UnknownNameError
+from ..errors import ExportFoldedError, ExportWarning, OnnxGradError, UnknownNameError, arg
 from ..ir import graph as G
 from ..ir import model as M
 from ..ir.builder import Builder, Var
@@ -264,10 +264,11 @@ def build(
     if forward is not None:
         forward = forward.edited(restore_ties(forward.proto, report, ties=trainable is None))
     if not params:
-        left = "; ".join(p.line() for p in report.left_out[:8]) + (" ..." if len(report.left_out) > 8 else "")
+        left = "; ".join(p.line(None) for p in report.left_out[:5]) + (
+            f" and {len(report.left_out) - 5} more" if len(report.left_out) > 5 else "")
         raise OnnxGradError(f"nothing to train: no float initializer of the model is a trainable parameter for "
-                            f"loss '{loss_name}'" + (f" ({left})" if left else "")
-                            + "; name the tensors to train with trainable=[...]")
+                            f"loss '{loss_name}'; name the tensors to train with {arg('trainable', '...')}"
+                            + (f" (left out: {left})" if left else ""))
     if forward is None:
         forward = G.pruned(loss_model, [o for o in loss_model.output_names if o != loss_name] or [loss_name])
     running: dict[str, str] = {}

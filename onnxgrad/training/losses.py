@@ -35,7 +35,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from ..errors import OnnxGradError, UnknownNameError
+from ..errors import OnnxGradError, UnknownNameError, arg, spelt
 from ..ir import model as M
 from ..ir.builder import Builder, Var
 from ..ir.load import emitted_ir_version, load
@@ -324,17 +324,21 @@ class _Appender:
         if output is None:
             if len(outputs) != 1:
                 raise UnknownNameError(f"{kind}: the model has {len(outputs)} outputs ({', '.join(outputs)}); "
-                                       "name the predictions with output=")
+                                       f"name the predictions with {arg('output')}")
             output = outputs[0]
         if output not in outputs:
             raise UnknownNameError(f"{kind}: output '{output}' is not an output of the model "
                                    f"(outputs: {', '.join(outputs)})")
         taken = ({i.name for i in g.input} | {i.name for i in g.initializer} | set(outputs)
                  | {o for n in g.node for o in n.output} | {n.name for n in g.node})
+        way_out = {"target": f"choose another with {arg('target')}",
+                   # --loss-fn always names its output 'loss'
+                   "loss": spelt("choose another with loss=", "rename that tensor of the model (--loss-fn names "
+                                 "its output 'loss')")}
         for name, what in ((target, "target"), (loss, "loss")):
             if name in taken:
                 raise UnknownNameError(f"{kind}: the {what} name '{name}' is already a tensor of the model; "
-                                       f"choose another with {what}=")
+                                       + way_out[what])
         if target == loss:
             raise UnknownNameError(f"{kind}: target and loss are both named '{target}'")
         self.x_type = types.get(output)

@@ -38,13 +38,14 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..errors import OnnxGradError, UnknownNameError
+from ..errors import FeedConversionWarning, OnnxGradError, UnknownNameError
 from ..ir.files import NO_DATA, runnable, save_model, stripped
 from ..passes.optimize import provider_name, target_for
 from ..passes.recompute import ORT_DISABLED_OPTIMIZERS
 from ..runtime import onnxruntime
 from . import artifacts as A
 from . import distributed as D
+from . import feeds as F
 from . import losses as L
 from . import state as S
 from .optim import Optimizer, from_config
@@ -238,8 +239,10 @@ class TrainingSession:
             self._acc_parity = 0
         self._acc_valid = False
         self._grad_bufs = {p: self._empty(p) for p in spec.grads}
-        self._input_types = {i.name: i for s in (self._train, self._accumulate, self._backward) if s
-                             for i in s.get_inputs()}
+        # the step's data inputs as the graph that reads them declares them (the backward's, data parallel)
+        self._declared = F.declared_inputs(self._split.backward if self._split else self.artifacts.train,
+                                           spec.data_inputs)
+        self._converted: set[str] = set()      # inputs whose lossless conversion was said
         if self._split:
             self._split_buffers()
         if self.world_size > 1:            # every worker starts from rank 0's weights, as DDP does
@@ -262,15 +265,20 @@ class TrainingSession:
 
         ``feeds`` hold numpy arrays, or batches already on the device: ``onnxruntime.OrtValue``s and DLPack
         tensors (torch, CuPy: anything with ``__dlpack__``), bound where they lie with no copy through the
-        host; their element type must be the input's. The step reads back three scalars (loss, the
-        finiteness verdict, the gradient norm); parameters and optimizer state stay on the device.
+        host. Before the run each is checked against its input (:mod:`onnxgrad.training.feeds`): rank, fixed
+        sizes and the sizes the inputs share (the batch) must fit, or :class:`~onnxgrad.FeedError` names every
+        input that does not. The element type must be the input's, but for a host array that converts with no
+        value changed (int32 labels to int64: converted, one :class:`~onnxgrad.FeedConversionWarning` per
+        input); float64 images for a float32 model are refused, as PyTorch refuses them, not rounded. The step
+        reads back three scalars (loss, the finiteness verdict, the gradient norm); parameters and optimizer
+        state stay on the device.
         """
         spec = self.spec
         rate = self.lr if lr is None else lr
         if not isinstance(rate, (int, float, np.floating, np.integer)) or not math.isfinite(rate) or rate < 0:
             raise OnnxGradError(f"step: the learning rate must be a finite number >= 0, got {rate!r}; "
                                 "nothing was changed")
-        data = self._data(feeds, spec.data_inputs, "step")
+        data = self._data(feeds, self._declared, "step")
         if self._split:
             return self._split_step(data, rate, samples)
         if self._micro < spec.accumulation_steps - 1:
@@ -789,15 +797,15 @@ class TrainingSession:
         with runnable(model) as source:     # a model over 2 GB: by path, its data beside it
             return ort.InferenceSession(source, opts, providers=self._providers, disabled_optimizers=disabled)
 
-    def _eval_session(self, with_loss: bool) -> tuple[Any, list[str], list[str], list[str]]:
-        """(session, its data inputs, its parameter inputs, its outputs), built on first use."""
+    def _eval_session(self, with_loss: bool) -> tuple[Any, dict[str, F.Declared], list[str], list[str]]:
+        """(session, its data inputs as declared, its parameter inputs, its outputs), built on first use."""
         if with_loss not in self._evals:
             model = self.artifacts.eval_with_loss() if with_loss else self.artifacts.eval
             sess = self._session(model)
             names = [i.name for i in sess.get_inputs()]
             held = set(self.spec.params) | set(self.spec.buffers)
-            self._evals[with_loss] = (sess, [n for n in names if n not in held], [n for n in names if n in held],
-                                      [o.name for o in sess.get_outputs()])
+            self._evals[with_loss] = (sess, F.declared_inputs(model, [n for n in names if n not in held]),
+                                      [n for n in names if n in held], [o.name for o in sess.get_outputs()])
         return self._evals[with_loss]
 
     def _outputs(self) -> dict[str, str]:
@@ -848,48 +856,43 @@ class TrainingSession:
             raise OnnxGradError(f"'{name}' has shape {list(shape)}, got {list(v.shape)}")
         return v.astype(dtype, copy=False)
 
-    def _data(self, feeds: Mapping[str, Any], names: Sequence[str], what: str,
+    def _data(self, feeds: Mapping[str, Any], declared: Mapping[str, F.Declared], what: str,
               known: set[str] | None = None) -> dict[str, Any]:
+        """The batch for a run of a graph whose data inputs are ``declared``: every name known, none missing,
+        each value fitting its input (:func:`onnxgrad.training.feeds.check`), host arrays converted where no
+        value changes (said once per input), labels in range."""
+        names = list(declared)
         known = set(known or ()) | set(names) | set(self.spec.data_inputs)
         unknown = [k for k in feeds if k not in known]
         if unknown:
-            raise UnknownNameError(f"{what}: {', '.join(map(repr, unknown))} not an input of the model "
-                                   f"(inputs: {', '.join(sorted(known))})")
+            verb, it = ("is not an input", "it") if len(unknown) == 1 else ("are not inputs", "them")
+            raise UnknownNameError(f"{what}: {', '.join(map(repr, unknown))} {verb} of the model (its inputs: "
+                                   f"{', '.join(sorted(known))}); remove {it} or correct the name")
         missing = [n for n in names if n not in feeds]
         if missing:
-            raise UnknownNameError(f"{what}: missing input(s) {', '.join(map(repr, missing))} "
-                                   f"(needs {', '.join(names)})")
-        out = {}
-        for n in names:
-            out[n] = self._coerce(n, feeds[n])
+            raise UnknownNameError(f"{what}: missing input(s) {', '.join(map(repr, missing))}: the model needs "
+                                   f"{', '.join(names)}")
+        out = {n: self._taken(n, feeds[n]) for n in names}
+        for name, dtype in F.check(out, declared, what).items():
+            if name not in self._converted:
+                self._converted.add(name)
+                warnings.warn(f"{what}: '{name}' is {out[name].dtype} and the model takes {dtype}: converted, "
+                              f"no value changes; pass {dtype} to spare the copy (said once)",
+                              FeedConversionWarning, stacklevel=3)
+            out[name] = out[name].astype(dtype)
         L.check_labels(self._class_targets, out, what)
         return out
 
-    def _coerce(self, name: str, value: Any) -> Any:
-        """A host array of the input's type (converted where that loses nothing a user meant), or an OrtValue
-        of it where the value is one or is a DLPack tensor (a torch or CuPy tensor): taken where it lies,
-        never through the host, so its type must already be the input's."""
-        info = self._input_types.get(name)
-        ort_type = info.type if info is not None else None
-        if ort_type is None:
-            for sess, *_ in self._evals.values():
-                for i in sess.get_inputs():
-                    if i.name == name:
-                        ort_type = i.type
+    def _taken(self, name: str, value: Any) -> Any:
+        """A contiguous host array of ``value``, or an OrtValue where the value is one or is a DLPack tensor (a
+        torch or CuPy tensor): taken where it lies, never through the host."""
         if _is_device_value(value, self._ort):
-            return self._device_input(name, value, ort_type)
-        arr = np.asarray(value)
-        want = _NP_OF_ORT.get(ort_type)
-        if want is not None and arr.dtype != want:
-            if np.dtype(want).kind == "f" and arr.dtype.kind in "fiub" or \
-                    np.dtype(want).kind in "iu" and arr.dtype.kind in "iub":
-                arr = arr.astype(want)
-            else:
-                raise OnnxGradError(f"input '{name}' expects {np.dtype(want)}, got {arr.dtype}")
-        return np.ascontiguousarray(arr)
+            return self._device_input(name, value)
+        return np.ascontiguousarray(value)
 
-    def _device_input(self, name: str, value: Any, ort_type: str | None):
-        """``value`` (an OrtValue, or a DLPack tensor wrapped as one without a copy) checked against the input."""
+    def _device_input(self, name: str, value: Any):
+        """``value``, an OrtValue, or a DLPack tensor wrapped as one without a copy, on the host or this session's
+        device (its shape and type are checked with the rest of the batch)."""
         ort = self._ort
         if not isinstance(value, ort.OrtValue):
             if not hasattr(ort.OrtValue, "from_dlpack"):
@@ -901,9 +904,6 @@ class TrainingSession:
                 raise OnnxGradError(f"input '{name}': onnxruntime cannot take this {type(value).__name__} through "
                                     f"DLPack ({type(e).__name__}: {e}); pass a contiguous tensor of a numeric type "
                                     "(torch: .detach().contiguous()), or a numpy array") from None
-        if ort_type is not None and value.data_type() != ort_type:
-            raise OnnxGradError(f"input '{name}' expects {ort_type}, got {value.data_type()} on "
-                                f"{value.device_name()}; convert it where it lies (no copy through the host is made)")
         where = value.device_name().lower()
         if where != "cpu" and where != self.device:
             raise OnnxGradError(f"input '{name}' is on {where} and this session runs on {self.device}; "
@@ -1013,10 +1013,3 @@ def _fill_initializers(model: onnx.ModelProto, values: Mapping[str, np.ndarray])
         if init.name in values:
             init.CopyFrom(numpy_helper.from_array(np.asarray(values[init.name]), init.name))
 
-
-_NP_OF_ORT = {
-    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
-    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(int16)": np.int16, "tensor(int8)": np.int8,
-    "tensor(uint8)": np.uint8, "tensor(uint16)": np.uint16, "tensor(uint32)": np.uint32,
-    "tensor(uint64)": np.uint64, "tensor(bool)": np.bool_,
-}

@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from ..errors import OnnxGradError
+from ..errors import OnnxGradError, arg
 from ..ir import model as M
 from ..ir.model import NameScope, ParsedModel
 
@@ -147,7 +147,8 @@ def _batch_norm_train(node: onnx.NodeProto, opset: int, names: NameScope, initia
                             "are computed in the graph, not stored as initializers, so training cannot update "
                             "them (an exporter that merges tensors of equal values routes them through Identity "
                             "nodes: re-export with torch.onnx.export(..., dynamo=True, optimize=False), or "
-                            "keep_initializers_as_inputs=True with TorchScript); or pass train_mode=False to keep "
+                            "keep_initializers_as_inputs=True with TorchScript); or pass "
+                            f"{arg('train_mode', False)} to keep "
                             "the exported (eval-mode) normalisation")
     momentum = next((a.f for a in node.attribute if a.name == "momentum"), 0.9)
     dtype = initializers[var]
