@@ -403,7 +403,8 @@ class _Pass:
         unknown, typed = [], []
         types: dict[tuple, onnx.TypeProto] = {}          # one TypeProto per (type, shape)
         no_info = TensorInfo()
-        added = [o for node in self.nodes for o in node.output if o and o not in self.types]   # by rules (Loop)
+        added = [o for node in self.nodes for o in node.output       # forward outputs a rule added, typed (Loop)
+                 if o and o not in self.types and o in infos and infos[o].dtype and infos[o].shape is not None]
         for name in added + [o for node in backward for o in node.output]:
             if not name or name in outputs:
                 continue
