@@ -113,6 +113,7 @@ class _VJP:
     seeds: dict[str, str]           # body output -> its seed input
     grads: dict[str, str]           # body input or outer tensor -> its gradient output
     outer: set[str]                 # the outer-scope names the body reads
+    changing: set[int]              # positions of the carried body inputs whose shape the body may change
 
     def reads(self, names: list[str]) -> set[str]:
         """Which of these inputs the gradients depend on."""
@@ -149,17 +150,11 @@ def _body_vjp(n: Node, body: onnx.GraphProto, input_infos: list[TensorInfo], wrt
     n.b.names.taken |= taken          # no name made outside may shadow one of the body's
     local = NameScope(taken)
     infos = [_declared(vi, info) for vi, info in zip(body.input, input_infos)]
-    for _ in range(2):
-        model, outs = _body_model(n, body, infos, outer, set(wrt), local)
-        inferred = M.tensor_infos(M.infer(model))[0]
-        relaxed = False
-        for i, o in states:      # a carried value whose shape the body changes: its dims are not static
-            got, had = inferred.get(body.output[o].name), infos[i]
-            if had.shape is not None and (got is None or got.shape != had.shape):
-                infos[i] = TensorInfo(had.dtype, (None,) * len(had.shape))
-                relaxed = True
-        if not relaxed:
-            break
+    changing = _changing_states(n, body, infos, outer, states, local)
+    for i in changing:          # its dims are not static: the VJP reads them at run time
+        infos[i] = TensorInfo(infos[i].dtype, (None,) * len(infos[i].shape))
+    model, outs = _body_model(n, body, infos, outer, set(wrt), local)
+    inferred = M.tensor_infos(M.infer(model))[0]
     for k, vi in enumerate(model.graph.output):
         if not vi.type.tensor_type.elem_type and vi.name in inferred:
             vi.CopyFrom(_value_info(vi.name, inferred[vi.name]))
@@ -175,7 +170,42 @@ def _body_vjp(n: Node, body: onnx.GraphProto, input_infos: list[TensorInfo], wrt
     seeds = json.loads(meta["onnxgrad.seeds"])
     grads = json.loads(meta["onnxgrad.gradients"])
     by_output = {body.output[k].name: seeds[outs[k]] for k in of}
-    return _VJP(gm.graph, by_output, {x: grads[x] for x in wrt}, set(outer))
+    return _VJP(gm.graph, by_output, {x: grads[x] for x in wrt}, set(outer), changing)
+
+
+def _changing_states(n: Node, body: onnx.GraphProto, infos: list[TensorInfo], outer: list[str],
+                     states: list[tuple[int, int]], local: NameScope) -> set[int]:
+    """The carried body inputs (of the pairs (input, output) ``states``) whose shape the body may change:
+    those whose output shape inference does not prove the same, every unknown dim a symbol of its own
+    (Concat(s, row) grows s: [2, 3] -> [3, 3], [N, 3] -> [?, 3]). Only the body's ops decide: its declared
+    output and inner types are left out, a declaration may hold the first iteration's dims."""
+    if not states:
+        return set()
+    typed = list(infos)
+    for i, _ in states:
+        if infos[i].shape is not None:
+            typed[i] = TensorInfo(infos[i].dtype, tuple(f"onnxgrad_{i}_{k}" if d is None else d
+                                                        for k, d in enumerate(infos[i].shape)))
+    model, outs = _body_model(n, body, typed, outer, set(), NameScope(local.taken))
+    for vi in model.graph.output:
+        vi.CopyFrom(helper.make_empty_tensor_value_info(vi.name))
+    del model.graph.value_info[:]
+    types = M.tensor_infos(M.infer(model))[1]
+    changing = set()
+    for i, o in states:
+        had = typed[i].shape
+        got = types.get(outs[o])
+        got = got.tensor_type.shape if got is not None and got.tensor_type.HasField("shape") else None
+        if had is None:
+            continue
+        if got is not None and len(got.dim) != len(had):
+            n.decline(f"the body of node '{n.name}' changes the rank of its carried value '{body.input[i].name}' "
+                      f"({len(had)} -> {len(got.dim)}): its gradient cannot store it per iteration")
+        dims = [None] * len(had) if got is None else [
+            d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in got.dim]
+        if any(d is None or d != h for d, h in zip(dims, had)):
+            changing.add(i)
+    return changing
 
 
 def _holder(body: onnx.GraphProto) -> onnx.NodeProto:
@@ -442,7 +472,9 @@ def _distinct(sb: Builder, outs: list[Var]) -> list[Var]:
 @register("Loop", inputs_from=2, subgraphs=True)
 def loop(n: Node):
     """A Loop of the forward's T trips, iteration k reading the stored values of iteration t = T-1-k:
-    (dv_t, dW_t) = VJP(body)(i_t, v_t; dv_t+1, dy_t); the carried gradients flow back to v_initial."""
+    (dv_t, dW_t) = VJP(body)(i_t, v_t; dv_t+1, dy_t); the carried gradients flow back to v_initial.
+    A carried value whose shape the body changes (a state that grows) is stored flat (:func:`_store_grown`)
+    and its gradient's dims are read at run time."""
     b, p = n.b, n.proto
     body = n.attr("body")
     N = len(p.input) - 2
@@ -450,6 +482,7 @@ def loop(n: Node):
     in_info = [n.inputs[2 + i].info for i in range(N)]
     out_info = [n.outputs[k].info for k in range(N + K)]
     names = [vi.name for vi in body.input]
+    results_of = [vi.name for vi in body.output]      # the body's outputs, before storing adds some
     scalar_i, scalar_b = TensorInfo(TensorProto.INT64, ()), TensorInfo(TensorProto.BOOL, ())
     body_infos = [scalar_i, scalar_b] + in_info
 
@@ -461,32 +494,39 @@ def loop(n: Node):
     if not of:
         return None
     vjp = _body_vjp(n, body, body_infos, wrt, of, [(2 + i, 1 + i) for i in range(N)])
+    for j in vjp.changing:          # a value of another shape at each iteration
+        body_infos[j] = TensorInfo(body_infos[j].dtype, (None,) * len(body_infos[j].shape))
+    state_info = body_infos[2:]
     read = vjp.reads(names)
-    kept = [0] + [i for i in range(1, N + 2) if names[i] in read]     # the iteration number always: T
+    kept = [0] + [i for i in range(1, N + 2) if names[i] in read and i not in vjp.changing]   # i always: T
+    grown = [i for i in range(2, N + 2) if names[i] in read and i in vjp.changing]
     stored = _store(n, body, "body", [names[i] for i in kept], [body_infos[i] for i in kept],
                     [_with_axis(body_infos[i], 0, None) for i in kept])
+    flat = _store_grown(n, body, grown, body_infos)
     trips = b.op.Squeeze(b.shape_of(stored[0]), b.ints([0]))
     last = trips - b.const(np.array(1, np.int64))
 
     sb = b.subgraph("body")
     k_in = _formal(sb, "k", scalar_i)
     cond_in = _formal(sb, "cond", scalar_b)
-    dv_in = [_formal(sb, f"{names[2 + i]}_grad_next", in_info[i]) for i in carried]
+    dv_in = [_formal(sb, f"{names[2 + i]}_grad_next", state_info[i]) for i in carried]
     dw_in = [_formal(sb, f"{w}_grad_sum", b.infos[w]) for w in outer]
     t = sb.op.Sub(last, k_in)
     env = {}
     for i, seq in zip(kept, stored):
         if names[i] in read:
             env[names[i]] = _at(sb, seq, t, body_infos[i]).name
-    env.update({vjp.seeds[body.output[1 + i].name]: v.name for i, v in zip(carried, dv_in)})
+    for i, (store, offsets, shapes) in zip(grown, flat):
+        env[names[i]] = _grown_at(sb, store, offsets, shapes, t, body_infos[i]).name
+    env.update({vjp.seeds[results_of[1 + i]]: v.name for i, v in zip(carried, dv_in)})
     for k in seeded:
-        env[vjp.seeds[body.output[1 + N + k].name]] = _at(sb, n.dys[N + k], t,
+        env[vjp.seeds[results_of[1 + N + k]]] = _at(sb, n.dys[N + k], t,
                                                            _without_axis(out_info[N + k], 0)).name
     g = vjp.inline(sb, env)
     outs = [sb.op.Identity(cond_in)] + [sb.var(g[names[2 + i]]) for i in carried]
     outs += [sb.op.Add(acc, sb.var(g[w])) for acc, w in zip(dw_in, outer)]
     outs = _distinct(sb, outs)
-    out_infos = [scalar_b] + [in_info[i] for i in carried] + [b.infos[w] for w in outer]
+    out_infos = [scalar_b] + [state_info[i] for i in carried] + [b.infos[w] for w in outer]
     bwd_body = helper.make_graph(
         sb.nodes, b.names.fresh(f"{n.name}_grad_body"),
         [_value_info(v.name, v.info) for v in [k_in, cond_in] + dv_in + dw_in],
@@ -500,6 +540,70 @@ def loop(n: Node):
     for i, d in zip(carried, dv):
         grads[2 + i] = d if n.needs(2 + i) else None
     return grads
+
+
+def _store_grown(n: Node, body: onnx.GraphProto, grown: list[int], body_infos: list[TensorInfo]
+                 ) -> list[tuple[Var, Var, Var]]:
+    """Store the carried body inputs at positions ``grown``, whose shape changes from one iteration to the
+    next (a scan output must keep one shape), as extra carried values of the forward Loop: each one's values
+    at every iteration, flattened and concatenated along the last axis, with, as scan outputs, where each
+    iteration's values start (Size of what is stored before them) and their shape. A stored value starts
+    as the carried value's initial one (the only tensor of its type the Loop has before it runs; it keeps
+    the rank, so the stored value is one of rank r that grows along its last axis). Returns (the stored
+    values, their offsets [T], their shapes [T, r]) per input."""
+    p, b = n.proto, n.b
+    if not grown:
+        return []
+    N = len(p.input) - 2
+    new = onnx.GraphProto()
+    new.CopyFrom(body)
+    found = []
+    for k, j in enumerate(grown):
+        name, info = body.input[j].name, body_infos[j]
+        r = len(info.shape)
+        flat_shape = [1] * (r - 1) + [-1]
+
+        def node(op, inputs, base, **attrs):
+            out = b.names.fresh(base)
+            new.node.append(helper.make_node(op, inputs, [out], name=b.names.fresh(f"{out}/{op}"), **attrs))
+            return out
+
+        before = b.names.fresh(f"{name}_stored_before")
+        as_row = node("Constant", [], f"{name}_flat_shape", value=numpy_helper.from_array(
+            np.array(flat_shape, np.int64)))
+        rows = [node("Reshape", [before, as_row], f"{before}_flat"), node("Reshape", [name, as_row], f"{name}_flat")]
+        after = node("Concat", rows, f"{name}_stored_after", axis=-1)
+        offset = node("Size", [before], f"{name}_offset")
+        shape = node("Shape", [name], f"{name}_shape")
+        new.input.insert(2 + N + k, _value_info(before, TensorInfo(info.dtype, (None,) * r)))
+        new.output.insert(1 + N + k, _value_info(after, TensorInfo(info.dtype, (None,) * r)))
+        new.output.append(_value_info(offset, TensorInfo(TensorProto.INT64, ())))
+        new.output.append(_value_info(shape, TensorInfo(TensorProto.INT64, (r,))))
+        p.input.append(p.input[j])
+        outs = [b.names.fresh(f"{p.name}/{name}_stored"), b.names.fresh(f"{p.name}/{name}_offsets"),
+                b.names.fresh(f"{p.name}/{name}_shapes")]
+        p.output.insert(N + k, outs[0])
+        p.output.extend(outs[1:])
+        b.infos[outs[0]] = TensorInfo(info.dtype, (None,) * r)
+        b.infos[outs[1]] = TensorInfo(TensorProto.INT64, (None,))
+        b.infos[outs[2]] = TensorInfo(TensorProto.INT64, (None, r))
+        found.append(tuple(b.var(o) for o in outs))
+    for a in p.attribute:
+        if a.name == "body":
+            a.g.CopyFrom(new)
+    n.outputs = [b.var(y) if y else None for y in p.output]
+    return found
+
+
+def _grown_at(sb: Builder, store: Var, offsets: Var, shapes: Var, t: Var, info: TensorInfo) -> Var:
+    """The value :func:`_store_grown` stored at iteration t: store[..., off_t : off_t + prod(shape_t)]
+    reshaped to shape_t."""
+    start = sb.unsqueeze(sb.op.Gather(offsets, t, axis=0), [0])
+    shape = sb.op.Gather(shapes, t, axis=0)
+    end = start + sb.reduce("ReduceProd", shape, [0])
+    v = sb.op.Reshape(sb.op.Slice(store, start, end, sb.ints([-1])), shape)
+    sb.infos[v.name] = info
+    return v
 
 
 def _at(sb: Builder, seq: Var, t: Var, info: TensorInfo) -> Var:

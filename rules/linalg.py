@@ -11,9 +11,9 @@ import string
 from typing import Sequence
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, numpy_helper
 
-from onnxgrad.ir.builder import Var
+from onnxgrad.ir.builder import INT64_MAX, Var
 
 from .registry import Node, register
 
@@ -44,12 +44,13 @@ def matmul(n: Node):
     """Y = A @ B (numpy matmul):  dA = dY @ B^T,  dB = A^T @ dY, summed over broadcast batch dims.
 
     A 1-D A is a row [1, k] and a 1-D B a column [k, 1] whose unit dim is dropped
-    from Y, so their gradients are outer products / matrix-vector products.
+    from Y, so their gradients are outer products / matrix-vector products. Ranks unknown
+    when the gradient is built: the same promotion made at run time (:func:`_matmul_any_rank`).
     """
     a, b = n.inputs
     ra, rb = a.rank, b.rank
     if ra is None or rb is None:
-        n.decline("MatMul gradient needs the ranks of both operands (run shape inference)")
+        return _matmul_any_rank(n, a, b, n.dy)
     dy = n.dy
     if ra == 1 and rb == 1:                                   # y = a . b
         return (dy * b if n.needs(0) else None), (dy * a if n.needs(1) else None)
@@ -60,6 +61,46 @@ def matmul(n: Node):
     da = _matmul_grad_a(n, a, b, dy) if n.needs(0) else None
     db = _matmul_grad_b(n, a, b, dy) if n.needs(1) else None
     return da, db
+
+
+def _matmul_any_rank(n: Node, a: Var, b: Var, dy: Var):
+    """Y = A @ B with a rank unknown at build time. numpy's matmul is the batched product of
+    A2 = A as [1, k] if 1-D, B2 = B as [k, 1] if 1-D (the unit dims dropped from Y), so with dY2 = dY
+    with those unit dims put back, all three Reshapes to shapes made at run time:
+    dA = unbroadcast(dY2 @ B2^T, A2) as A's shape,  dB = unbroadcast(A2^T @ dY2, B2) as B's shape."""
+    bb = n.b
+    one = bb.ints([1])
+    row = _run_time_ones(n, bb.emit("Equal", [bb.emit("Shape", [bb.shape_of(a)]), one]))   # [1] if A is 1-D, else []
+    col = _run_time_ones(n, bb.emit("Equal", [bb.emit("Shape", [bb.shape_of(b)]), one]))   # [1] if B is 1-D, else []
+    a2 = n.op.Reshape(a, n.op.Concat(row, bb.shape_of(a), axis=0))
+    b2 = n.op.Reshape(b, n.op.Concat(bb.shape_of(b), col, axis=0))
+    # Y is batch + [m if A is not 1-D] + [n if B is not 1-D]: the row goes before n's place, the column last
+    ys = bb.shape_of(dy)
+    cut = bb.emit("Shape", [ys]) - bb.emit("Sub", [one, bb.emit("Shape", [col])])
+    head = n.op.Slice(ys, bb.ints([0]), cut)
+    tail = n.op.Slice(ys, cut, bb.ints([INT64_MAX]))
+    dy2 = n.op.Reshape(dy, n.op.Concat(head, row, tail, col, axis=0))
+    da = db = None
+    if n.needs(0):
+        da = n.op.Reshape(bb.unbroadcast(n.op.MatMul(dy2, _swap_last_any_rank(n, b2)), a2), bb.shape_of(a))
+    if n.needs(1):
+        db = n.op.Reshape(bb.unbroadcast(n.op.MatMul(_swap_last_any_rank(n, a2), dy2), b2), bb.shape_of(b))
+    return da, db
+
+
+def _run_time_ones(n: Node, flag: Var) -> Var:
+    """[1] where the 1-element bool ``flag`` holds, [] where not (a dim to insert or not, at run time)."""
+    count = n.op.Cast(flag, to=TensorProto.INT64)
+    return n.op.ConstantOfShape(count, value=numpy_helper.from_array(np.ones(1, np.int64)))
+
+
+def _swap_last_any_rank(n: Node, x: Var) -> Var:
+    """x^T over the last two axes, x of a rank unknown at build time (at least 2): a [-1, m, k] view
+    transposed to [-1, k, m], then x's batch dims + [k, m]."""
+    bb = n.b
+    batch, m, k = bb.shape_of(x, 0, -2), bb.shape_of(x, -2, -1), bb.shape_of(x, -1)
+    x3 = n.op.Reshape(x, n.op.Concat(bb.ints([-1]), m, k, axis=0))
+    return n.op.Reshape(n.op.Transpose(x3, perm=[0, 2, 1]), n.op.Concat(batch, k, m, axis=0))
 
 
 def _swap_last(n: Node, x: Var) -> Var:

@@ -121,6 +121,29 @@ m (float[3] h0, float[3] w, float[3] v) => (float[3] h) {
                          else_branch = b () => (float[3] r) { r = Mul (g, v) }>
     }>
 }""")
+# A state that grows each trip ([k, 3] -> [k + 1, 3]: a row made from the state and W appended): the
+# forward stores it flat (a scan output keeps one shape), the backward's Concat splits at run-time sizes.
+LOOP_GROWING = """
+m ({m_in}float[{rows},3] s0, float[3,3] W, float[3] v) => (float[K,3] s, float[3] h, float[T,3] ys) {{
+    {trips}
+    t = Constant <value = bool {{1}}> ()
+    s, h, ys = Loop ({m}, t, s0, v) <body = step (int64 i, bool c, float[N,3] sp, float[3] hp) => (bool co, float[M,3] sn, float[3] hn, float[3] y) {{
+        co = Identity (c)
+        zero = Constant <value = int64[1] {{0}}> ()
+        axes = Constant <value = int64[1] {{0}}> ()
+        tot = ReduceSum <keepdims = 0> (sp, axes)
+        a = MatMul (tot, W)
+        hn = Mul (hp, a)
+        r = Tanh (a)
+        ru = Unsqueeze (r, zero)
+        sn = Concat <axis = 0> (sp, ru)
+        y = Sin (hn)
+    }}>
+}}"""
+LOOP_GROWING_STATIC = LOOP_GROWING.format(m_in="", rows=2, m="three",
+                                          trips="three = Constant <value = int64 {3}> ()")
+LOOP_GROWING_DYNAMIC = LOOP_GROWING.format(m_in="int64 M, ", rows="R", m="M", trips="")
+
 # An If whose condition is known at build time (AffineGrid's function body: If(Size(size) == 4)), here
 # decided through a first If: its branches return tensors of different ranks, so onnx's inference leaves
 # t (and the MatMul after it) unranked, and the then-branch's Squeeze without axes needs the dims the
@@ -196,6 +219,10 @@ CASES = {
     "loop_early_exit": (LOOP_EARLY, lambda: {"h0": np.array([0.1, 0.2, 0.3], np.float32),
                                              "w": np.array([0.5, 0.6, 0.7], np.float32),
                                              "limit": np.array(7.0, np.float32)}),
+    "loop_growing_state": (LOOP_GROWING_STATIC, lambda: {"s0": _f(2, 3), "W": _f(3, 3, low=-0.5, high=0.5),
+                                                          "v": _f(3)}),
+    "loop_growing_dynamic": (LOOP_GROWING_DYNAMIC, lambda: {"M": np.array(4, np.int64), "s0": _f(1, 3),
+                                                            "W": _f(3, 3, low=-0.5, high=0.5), "v": _f(3)}),
     "loop_nested_if": (LOOP_NESTED_IF, lambda: {"h0": _f(3), "w": _f(3), "v": _f(3)}),
     "if_constant_then": (IF_CONSTANT_2D, _constant_if_feeds),
     "if_constant_else": (IF_CONSTANT_3D, _constant_if_feeds),

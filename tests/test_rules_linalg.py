@@ -2,9 +2,11 @@
 import numpy as np
 import onnx
 import pytest
+from onnx import TensorProto, helper
 
 import onnxgrad
-from harness import Case, case_model, randn, run_case, run_declared, run_second_order
+from harness import Case, case_model, check_gradients, make_model, randn, rng, run_case, run_declared, run_second_order
+from onnxgrad.tools.check import check, gradient_spec, run_float64
 
 MATMUL = [
     Case("MatMul", [randn(3, 4), randn(4, 5)], id="2d"),
@@ -161,3 +163,53 @@ SECOND_ORDER = [
 @pytest.mark.parametrize("case", SECOND_ORDER, ids=str)
 def test_second_order(case):
     run_second_order(case)
+
+
+# -- MatMul of operands whose rank is unknown when the gradient is built ----------------------------------
+def _matmul_of_unknown_ranks(opset: int) -> onnx.ModelProto:
+    """L = sum(sin(A @ B)) with A and B flat inputs reshaped to shapes fed at run time: no rank is known
+    for A, B or A @ B (the scalar L implies none), so one gradient graph serves every rank."""
+    f, i64 = TensorProto.FLOAT, TensorProto.INT64
+    nodes = [helper.make_node("Reshape", ["a_flat", "a_shape"], ["a"]),
+             helper.make_node("Reshape", ["b_flat", "b_shape"], ["b"]),
+             helper.make_node("MatMul", ["a", "b"], ["y"]), helper.make_node("Sin", ["y"], ["s"]),
+             helper.make_node("ReduceSum", ["s"], ["L"], keepdims=0)]
+    inputs = [helper.make_tensor_value_info("a_flat", f, ["P"]), helper.make_tensor_value_info("b_flat", f, ["Q"]),
+              helper.make_tensor_value_info("a_shape", i64, ["RA"]),
+              helper.make_tensor_value_info("b_shape", i64, ["RB"])]
+    return make_model(nodes, inputs, [helper.make_tensor_value_info("L", f, [])], opset=opset, name="matmul_any_rank")
+
+
+def _unknown_rank_feeds(sa: tuple[int, ...], sb: tuple[int, ...]) -> dict[str, np.ndarray]:
+    return {"a_flat": randn(int(np.prod(sa))), "b_flat": randn(int(np.prod(sb))),
+            "a_shape": np.array(sa, np.int64), "b_shape": np.array(sb, np.int64)}
+
+
+UNKNOWN_RANK_SHAPES = [((3, 4), (4, 5)), ((2, 3, 4), (4, 5)), ((4,), (4, 3)), ((4,), (2, 4, 3)), ((4,), (4,)),
+                       ((3, 4), (4,)), ((2, 3, 4), (4,)), ((3, 4), (2, 4, 5)), ((2, 1, 3, 4), (3, 4, 2))]
+
+
+@pytest.mark.parametrize("opset", [13, 17])
+@pytest.mark.parametrize("sa,sb", UNKNOWN_RANK_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matmul_of_unknown_ranks(sa, sb, opset):
+    """The ranks are found at run time: 1-D operands promoted as numpy does, batch dims summed back
+    (float32 in onnxruntime and float64, against central differences)."""
+    model = _matmul_of_unknown_ranks(opset)
+    infos = onnxgrad.ir.model.tensor_infos(onnxgrad.ir.model.infer(model))[0]
+    assert all(x not in infos or infos[x].shape is None for x in ("a", "b", "y"))     # no rank to build from
+    r = check_gradients(model, _unknown_rank_feeds(sa, sb), ["a_flat", "b_flat"], ["L"], tol64=1e-6)
+    assert all(np.abs(g).max() > 1e-3 for g in r.analytic.values())
+
+
+def test_matmul_of_unknown_ranks_second_order():
+    """grad(grad(m)) of the same model: the run-time promotion differentiates too."""
+    model = _matmul_of_unknown_ranks(17)
+    gm = onnxgrad.grad(model, wrt=["a_flat", "b_flat"], of=["L"])
+    spec = gradient_spec(gm)
+    seed = spec["seeds"]["L"]
+    ggm = onnxgrad.grad(gm, wrt=["a_flat", "b_flat", seed], of=list(spec["gradients"].values()), allow_unused=True)
+    onnx.checker.check_model(ggm, full_check=True)
+    for sa, sb in [((2, 3, 4), (4, 5)), ((4,), (2, 4, 3)), ((3, 4), (4,))]:
+        feeds = {**_unknown_rank_feeds(sa, sb), seed: np.float32(rng().uniform(0.5, 1.5)) * np.ones((), np.float32)}
+        r = check(gm, ggm, feeds, analytic_run=run_float64)
+        assert r.ok(1e-5), f"{sa} @ {sb}: second-order errors {r.errors}"

@@ -403,23 +403,24 @@ class _Pass:
         unknown, typed = [], []
         types: dict[tuple, onnx.TypeProto] = {}          # one TypeProto per (type, shape)
         no_info = TensorInfo()
-        for node in backward:
-            for name in node.output:
-                if not name or name in outputs:
-                    continue
-                info = infos.get(name, no_info)
-                shape, dtype = info.shape, info.dtype
-                if shape is None or dtype is None or None in shape:     # partial: x's symbolic dims
-                    x = grad_of.get(name)
-                    if x is not None and _has_shape(self.types[x]):
-                        typed.append((name, self.types[x]))              # symbolic dims kept
-                    else:
-                        unknown.append(name)
-                    continue
-                tp = types.get((dtype, shape))
-                if tp is None:
-                    tp = types[(dtype, shape)] = helper.make_tensor_type_proto(dtype, shape)
-                typed.append((name, tp))
+        added = [o for node in self.nodes for o in node.output       # forward outputs a rule added, typed (Loop)
+                 if o and o not in self.types and o in infos and infos[o].dtype and infos[o].shape is not None]
+        for name in added + [o for node in backward for o in node.output]:
+            if not name or name in outputs:
+                continue
+            info = infos.get(name, no_info)
+            shape, dtype = info.shape, info.dtype
+            if shape is None or dtype is None or None in shape:     # partial: x's symbolic dims
+                x = grad_of.get(name)
+                if x is not None and _has_shape(self.types[x]):
+                    typed.append((name, self.types[x]))              # symbolic dims kept
+                else:
+                    unknown.append(name)
+                continue
+            tp = types.get((dtype, shape))
+            if tp is None:
+                tp = types[(dtype, shape)] = helper.make_tensor_type_proto(dtype, shape)
+            typed.append((name, tp))
         M.add_value_infos(g, typed)
         if not unknown:
             return out
@@ -429,10 +430,15 @@ class _Pass:
         g.value_info.extend(inferred.graph.value_info)
         for mine, theirs in zip(g.output, inferred.graph.output):
             mine.type.CopyFrom(theirs.type)
+        ranked = set(added)         # a rule's own forward outputs keep the rank it gave them (a Loop's stored state)
+        for vi in g.value_info:
+            info = infos.get(vi.name)
+            if vi.name in ranked and not _has_shape(vi.type) and info is not None and info.shape is not None:
+                vi.CopyFrom(helper.make_tensor_value_info(vi.name, vi.type.tensor_type.elem_type, info.shape))
         found = {vi.name for vi in g.value_info}
         out.graph.value_info.extend(
             helper.make_tensor_value_info(name, (infos.get(name) or TensorInfo()).dtype or TensorProto.UNDEFINED,
-                                          None)
+                                          (infos.get(name) or TensorInfo()).shape if name in ranked else None)
             for name in unknown if name not in found)
         return out
 
