@@ -162,6 +162,26 @@ def test_mask_logic_as_arithmetic(op, name):
     assert not [n for n in out.graph.node if n.op_type in CPU_OR_FAILING]
 
 
+@pytest.mark.parametrize("initial,bias,outputs", [(False, True, 1), (True, True, 3), (False, False, 2)])
+def test_lstm_unrolled(initial, bias, outputs):
+    T, Bt, I, H = 9, 2, 3, 4
+    consts = [numpy_helper.from_array(floats(1, 4 * H, I), "W"), numpy_helper.from_array(floats(1, 4 * H, H), "R")]
+    names = ["x", "W", "R"]
+    if bias:
+        consts.append(numpy_helper.from_array(floats(1, 8 * H), "B"))
+    names.append("B" if bias else "")
+    inputs = [("x", F, (T, Bt, I))]
+    if initial:
+        names += ["", "h0", "c0"]
+        inputs += [("h0", F, (1, Bt, H)), ("c0", F, (1, Bt, H))]
+    outs = [("Y", F, None), ("Yh", F, None), ("Yc", F, None)][:outputs]
+    m = one_node("LSTM", inputs, outs, {"hidden_size": H}, consts)
+    m.graph.node[0].input[:] = names
+    feeds = {"x": floats(T, Bt, I), **({"h0": floats(1, Bt, H), "c0": floats(1, Bt, H)} if initial else {})}
+    out = assert_same(m, "lstm_as_ops", feeds, "LSTM")
+    assert max(len(n.input) for n in out.graph.node if n.op_type == "Concat") <= webgpu.MAX_BINDINGS - 1
+
+
 def test_isnan_as_one_compare():
     m = one_node("IsNaN", [("x", F, (5,))], [("y", TensorProto.BOOL, (5,))])
     x = np.array([0, np.nan, np.inf, -np.inf, -2], np.float32)

@@ -27,8 +27,9 @@ get wrong, and the standard ops written here instead:
 - ``Identity`` runs on the CPU in JSEP: readers read its input (:func:`without_identities`);
 - ``And`` and ``Or`` of masks (Clip's gradient) run on the CPU: products and sums of 0/1 floats.
 
-Train-mode ``BatchNormalization`` (refused by both) is :mod:`onnxgrad.passes.optimize.batch_norm`'s, LSTM/GRU/RNN
-(CPU in JSEP) :mod:`onnxgrad.passes.optimize.recurrent`'s.
+- a forward ``LSTM`` (on the CPU in JSEP) unrolled into per-step ops (GRU and RNN are not yet).
+
+Train-mode ``BatchNormalization`` (refused by both) is :mod:`onnxgrad.passes.optimize.batch_norm`'s.
 """
 from __future__ import annotations
 
@@ -346,6 +347,66 @@ ROW_SCATTER_AS_MATMUL = Rewrite("row_scatter_as_matmul", "ScatterND", _row_scatt
                                 forward=None)
 
 
+# -- LSTM's forward (JSEP runs LSTM on the CPU) -----------------------------------------------------------------
+def _lstm(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    return Match(node, list(node.output), dict(node=node, inputs=list(node.input) + [""] * (8 - len(node.input))))
+
+
+def _lstm_check(view: GraphView, m: Match) -> str | None:
+    node, (x, w, _, _, lens, _, _, peep) = m.node, m.inputs
+    plain = (view.attr(node, "direction", "forward") == "forward" and not view.attr(node, "activations")
+             and view.attr(node, "clip") is None and not view.attr(node, "input_forget", 0)
+             and not view.attr(node, "layout", 0) and not lens and not peep)
+    if not plain:
+        return "only a forward LSTM with the default activations, no clip, peepholes or sequence lengths"
+    if view.shape(x) is None or view.shape(w) is None:
+        return "its input's or weights' shape is not static"
+    return None
+
+
+def _concat(b: Builder, parts: list[Var], axis: int) -> Var:
+    """Concat of ``parts`` as a tree of nodes of at most seven inputs (:data:`MAX_BINDINGS`)."""
+    while len(parts) > _FAN:
+        parts = [b.op.Concat(*parts[k:k + _FAN], axis=axis) if len(parts[k:k + _FAN]) > 1 else parts[k]
+                 for k in range(0, len(parts), _FAN)]
+    return b.op.Concat(*parts, axis=axis) if len(parts) > 1 else parts[0]
+
+
+def _lstm_as_ops(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """ONNX's LSTM unrolled over its T steps (gates i, o, f, c in W's order):
+    g = x_t W^T + h R^T + Wb + Rb;  c = sigmoid(f) c + sigmoid(i) tanh(c~);  h = sigmoid(o) tanh(c)."""
+    x, w, r, bias, _, h0, c0, _ = m.inputs
+    steps, batch, features = view.shape(x)
+    hidden = view.shape(w)[1] // 4
+    weights = b.op.Transpose(b.squeeze(b.var(w), [0]), perm=[1, 0])                     # [I, 4H]
+    recurrent = b.op.Transpose(b.squeeze(b.var(r), [0]), perm=[1, 0])                   # [H, 4H]
+    inputs = b.op.MatMul(b.op.Reshape(b.var(x), b.ints([steps * batch, features])), weights)
+    if bias:
+        wb, rb = b.op.Split(b.squeeze(b.var(bias), [0]), b.ints([4 * hidden, 4 * hidden]), axis=0, outputs=2)
+        inputs = inputs + (wb + rb)
+    inputs = b.op.Reshape(inputs, b.ints([steps, batch, 4 * hidden]))
+    h = b.squeeze(b.var(h0), [0]) if h0 else None
+    c = b.squeeze(b.var(c0), [0]) if c0 else None
+    hs = []
+    for t in range(steps):
+        gates = b.op.Gather(inputs, b.const(np.array(t, np.int64)), axis=0)             # [B, 4H]
+        if h is not None:
+            gates = gates + b.op.MatMul(h, recurrent)
+        i, o, f, g = b.op.Split(gates, b.ints([hidden] * 4), axis=1, outputs=4)
+        new = b.op.Sigmoid(i) * b.op.Tanh(g)
+        c = new if c is None else b.op.Sigmoid(f) * c + new
+        h = b.op.Sigmoid(o) * b.op.Tanh(c)
+        hs.append(h)
+    y = _concat(b, [b.unsqueeze(v, [0, 1]) for v in hs], 0)                              # [T, 1, B, H]
+    outs = [y, b.unsqueeze(h, [0]), b.unsqueeze(c, [0])]
+    return outs[:len(m.outputs)]
+
+
+LSTM_AS_OPS = Rewrite("lstm_as_ops", "LSTM", _lstm, _lstm_check, _lstm_as_ops,
+                      "a forward LSTM unrolled into MatMul, Sigmoid and Tanh per step (JSEP runs LSTM on the CPU)",
+                      forward=None)
+
+
 # -- the training step's finiteness check -----------------------------------------------------------------------
 def _finite_check(view: GraphView, node: onnx.NodeProto) -> Match | None:
     """Not(Or(IsNaN(x), IsInf(x)))."""
@@ -405,7 +466,7 @@ WEBGPU_REWRITES = (SUM_AS_ADDS, MEAN_AS_ADDS, MAX_AS_WHERE, MIN_AS_WHERE, CONCAT
                    CONV_TRANSPOSE_SYMMETRIC, CONV_EXPLICIT, CONV_TRANSPOSE_EXPLICIT, MAX_POOL_TAPS_FLOAT,
                    SOFTMAX_CROSS_ENTROPY_AS_OPS, NLL_AS_OPS,
                    SCATTER_ELEMENTS_AS_ND, ROW_SCATTER_AS_MATMUL, FINITE_AS_COMPARE, ISNAN_AS_COMPARE,
-                   AND_AS_ARITHMETIC, OR_AS_ARITHMETIC)
+                   AND_AS_ARITHMETIC, OR_AS_ARITHMETIC, LSTM_AS_OPS)
 
 
 # -- whole-graph passes -------------------------------------------------------------------------------------------
