@@ -102,6 +102,17 @@ def test_every_training_node_runs_on_webgpu(page, config, name):
     assert placed and set(placed) <= {"JsExecutionProvider", "WebGpuExecutionProvider"}, placed
 
 
+@pytest.mark.parametrize("config", ["jsep", "webgpu"])
+def test_the_state_stays_on_the_gpu_without_a_leak(page, config):
+    # 1000 steps: each step's state outputs are new GPU buffers; the ones they replace are disposed, and release()
+    # frees the last set
+    bundle, _ = B.CONFIGS[config]
+    r = page.evaluate("c => window.leak(c)", {"bundle": bundle, "name": "mlp", "steps": 1000})
+    assert r["afterSteps"] == r["held"] * (1000 - 1)          # the first step replaced the file's CPU tensors
+    assert r["afterRelease"] == r["held"] * 1000
+    assert np.isfinite(r["loss"]) and r["loss"] < 0.5          # one batch, 1000 AdamW steps: it is learnt
+
+
 def test_jsep_trains_wide_concats_and_splits_silently_wrong(page, folder):
     # what the Concat and Split trees are for, and proof that the comparison above can fail: without them the LSTM
     # gradient concatenates and splits its 12 time steps in single nodes, which JSEP computes wrong, no error raised

@@ -108,3 +108,24 @@ test('a batch that does not fit is named, a NaN batch raises and changes nothing
   assert.ok(m.steps > 0);
   await s.release();
 });
+
+test('the learning rate is the one set before the step, and saved with the state', { skip: noFixtures }, async () => {
+  const [name] = Object.keys(manifest.models);
+  const s = await open(name);
+  s.lr = 0;
+  const before = await s.parameters();
+  await s.step(batch(name, 0));
+  const after = await s.parameters();
+  for (const p of Object.keys(before)) assert.deepEqual(after[p], before[p], p);     // lr 0: nothing moves
+  assert.equal(s.stepCount, 1);
+  s.lr = 0.005;
+  await s.step(batch(name, 1));
+  const moved = await s.parameters();
+  assert.ok(Object.keys(before).some((p) => moved[p].some((v, i) => v !== before[p][i])));
+  const resumed = await open(name);
+  await resumed.restore(await s.save());
+  assert.equal(resumed.lr, Math.fround(0.005));
+  assert.equal(resumed.stepCount, 2);
+  await s.release();
+  await resumed.release();
+});

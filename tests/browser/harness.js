@@ -83,3 +83,33 @@ window.placements = async ({ bundle, ep, name }) => {
 };
 
 window.ready = true;
+
+/**
+ * ``steps`` steps of fixture ``name`` on WebGPU counting the GPU tensors: every step's outputs are new
+ * gpu-buffer tensors, and the session must dispose the ones they replace (no leak over many steps).
+ * @param {{bundle: string, name: string, steps: number}} cfg
+ */
+window.leak = async ({ bundle, name, steps }) => {
+  const ort = await ortOf(bundle);
+  let disposed = 0;
+  const dispose = ort.Tensor.prototype.dispose;
+  ort.Tensor.prototype.dispose = function () {
+    if (this.location === 'gpu-buffer') disposed += 1;
+    return dispose.call(this);
+  };
+  const fx = `/fx/${name}`;
+  const session = await TrainingSession.create(ort, {
+    train: await bytes(`${fx}.train.onnx`), state: await bytes(`${fx}.state.safetensors`),
+    schedule: await bytes(`${fx}.schedule.onnx`),
+  }, { executionProvider: 'webgpu' });
+  const { tensors } = readSafetensors(await bytes(`${fx}.batches.safetensors`));
+  const spec = session.spec;
+  const held = Object.keys(spec.params).length + Object.values(spec.buffers ?? {}).length
+    + Object.values(spec.state ?? {}).reduce((n, s) => n + Object.keys(s).length, 0);
+  let loss = 0;
+  for (let k = 0; k < steps; k++) loss = await session.step(batch(tensors, 0));
+  const afterSteps = disposed;
+  await session.release();
+  ort.Tensor.prototype.dispose = dispose;
+  return { held, afterSteps, afterRelease: disposed, loss, stepCount: steps };
+};
