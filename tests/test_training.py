@@ -91,10 +91,16 @@ def test_update_ops_per_parameter(optimizer, ops):
     """Scalars (bias corrections, decay, damping) are folded into 0-d factors shared by all parameters:
     per parameter only the full-tensor passes of the formula remain (no Cast, Expand or Where)."""
     art = artifacts.build(mlp_model(), ce(), optimizer, guard=False)
-    for p in art.spec.params:
+    alone = [p for p in art.spec.params if any(n.name.startswith(f"train/optimizer/{p}/") for n in art.train.graph.node)]
+    for p in alone:
         got = [n.op_type for n in art.train.graph.node
                if n.name.startswith(f"train/optimizer/{p}/") and n.op_type != "Constant"]
         assert got == ops.split(), p
+    # the small parameters are updated together, with the same passes over their concatenation
+    together = [n.op_type for n in art.train.graph.node if n.name.startswith("train/optimizer/foreach/")
+                and n.op_type not in ("Constant", "Concat", "Reshape", "Split")]
+    assert together == (ops.split() if len(alone) < len(art.spec.params) else [])
+    assert len(alone) < len(art.spec.params)
     shared = [n.op_type for n in art.train.graph.node
               if n.name.startswith("train/optimizer/") and n.name.count("/") == 2 and n.op_type != "Constant"]
     assert len(shared) <= 16, shared            # the step's scalars, once per graph

@@ -162,10 +162,14 @@ def test_in_place_needs_a_guarded_elementwise_last_reader():
     sized = _graph([n("Shape", ["p"], ["s"]), n("Mul", ["p", "g"], ["u"]),
                     n("Where", ["finite", "u", "p"], ["p.next"])], ["p", "g", "finite"], ["p.next"])
     assert artifacts.in_place(sized, {"p": "p.next"}, "finite") == {"p"}
-    # a producer that is not elementwise
-    shuffled = _graph([n("Where", ["finite", "g", "p"], ["u"]), n("Transpose", ["u"], ["p.next"], perm=[0])],
+    # a producer that reads p and is not elementwise: it could read an element it has already written
+    shuffled = _graph([n("Where", ["finite", "g", "g"], ["u"]), n("MatMul", ["p", "u"], ["p.next"])],
                       ["p", "g", "finite"], ["p.next"])
     assert artifacts.in_place(shuffled, {"p": "p.next"}, "finite") == set()
+    # one that does not read p (parameters updated together, split back): every reader of p ran before it
+    split_back = _graph([n("Where", ["finite", "g", "p"], ["u"]), n("Transpose", ["u"], ["p.next"], perm=[0])],
+                        ["p", "g", "finite"], ["p.next"])
+    assert artifacts.in_place(split_back, {"p": "p.next"}, "finite") == {"p"}
 
 
 def _if_guarded(then_nodes, else_nodes, outer=()):
@@ -232,10 +236,14 @@ def test_guarded_update_ops_per_parameter(optimizer, ops):
     assert {n.op_type for n in branches["else_branch"].node} == {"Identity"}
     assert not [n for n in art.train.graph.node if n.name.startswith("train/optimizer/")
                 and n.op_type not in ("Constant", "If")]
-    for p in art.spec.params:
-        got = [n.op_type for n in branches["then_branch"].node
-               if n.name.startswith(f"train/optimizer/{p}/") and n.op_type != "Constant"]
+    then = branches["then_branch"].node
+    alone = [p for p in art.spec.params if any(n.name.startswith(f"train/optimizer/{p}/") for n in then)]
+    for p in alone:
+        got = [n.op_type for n in then if n.name.startswith(f"train/optimizer/{p}/") and n.op_type != "Constant"]
         assert got == ops.split(), p
+    together = [n.op_type for n in then if n.name.startswith("train/optimizer/foreach/")
+                and n.op_type not in ("Constant", "Concat", "Reshape", "Split")]
+    assert together == ops.split() and len(alone) < len(art.spec.params)
 
 
 @pytest.mark.parametrize("defaults", [False, True])

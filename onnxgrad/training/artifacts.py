@@ -626,24 +626,34 @@ class _Builder:
         first = len(b.nodes)           # the update's nodes: into the guard's If below
         state_names: dict[str, dict[str, list[str]]] = {}
         updated: list[tuple[Var, Var, str, int, tuple, str]] = []     # (new, old, name, dtype, shape, doc)
+        states: dict[str, dict[str, Var]] = {}
         for p in self.params:
-            pb = ob.scoped(f"train/optimizer/{p}", f"{type(self.optimizer).__name__} update of '{p}'")
-            ctx.b = pb
             optimizer = self.optimizer.for_param(p, self.torch_names.get(p))
             scale = optimizer.state_scale(self.dtypes[p])
-            state = {s: e.add_input(f"{p}.{s}", self.dtypes[p], self.shapes[p],
-                                    f"optimizer state '{s}' of '{p}'"
-                                    + (f", held as PyTorch's value times {scale[s]:g}" if s in scale else ""),
-                                    optimizer.initial_state(self.initial[p])[s] if self.defaults else None)
-                     for s in optimizer.active_state()}
-            new_p, new_state = optimizer.update(ctx, pb.var(p), grads[p], state)
-            updated.append((new_p, pb.var(p), f"{p}.next", self.dtypes[p], self.shapes[p], f"'{p}' after the update"))
-            state_names[p] = {}
-            for s, v in new_state.items():
-                out = f"{state[s].name}.next"
-                updated.append((v, state[s], out, self.dtypes[p], self.shapes[p],
-                                f"'{state[s].name}' after the update"))
-                state_names[p][s] = [state[s].name, out]
+            states[p] = {s: e.add_input(f"{p}.{s}", self.dtypes[p], self.shapes[p],
+                                        f"optimizer state '{s}' of '{p}'"
+                                        + (f", held as PyTorch's value times {scale[s]:g}" if s in scale else ""),
+                                        optimizer.initial_state(self.initial[p])[s] if self.defaults else None)
+                         for s in optimizer.active_state()}
+        for group in self._update_groups():
+            new = self._group_update(ob, ctx, group, grads, states) if len(group) > 1 else None
+            for p in group:
+                if new is None:
+                    pb = ob.scoped(f"train/optimizer/{p}", f"{type(self.optimizer).__name__} update of '{p}'")
+                    ctx.b = pb
+                    optimizer = self.optimizer.for_param(p, self.torch_names.get(p))
+                    new_p, new_state = optimizer.update(ctx, pb.var(p), grads[p], states[p])
+                else:
+                    new_p, new_state = new[p]
+                state = states[p]
+                updated.append((new_p, ob.var(p), f"{p}.next", self.dtypes[p], self.shapes[p],
+                                f"'{p}' after the update"))
+                state_names[p] = {}
+                for s, v in new_state.items():
+                    out = f"{state[s].name}.next"
+                    updated.append((v, state[s], out, self.dtypes[p], self.shapes[p],
+                                    f"'{state[s].name}' after the update"))
+                    state_names[p][s] = [state[s].name, out]
         # the count of applied updates, fed back as the other state is: Adam's bias correction reads it
         sb = b.scoped("train/step", "number of the next update")
         next_step = sb.op.Add(step, sb.const(np.array(1), self.step_dtype))
@@ -655,6 +665,51 @@ class _Builder:
         for value, (_, _, name, dtype, shape, doc) in zip(new_values, updated):
             e.output(value, name, dtype, shape, doc)
         return lr, step, state_names
+
+    def _update_groups(self) -> list[list[str]]:
+        """The parameters updated together: small tensors of one element type and one optimizer configuration
+        in one group each (their update is a few kernels over all of them, not a dozen per tensor), every other
+        parameter alone. The update is elementwise, so a group's values are each tensor's own."""
+        groups: dict[tuple, list[str]] = {}
+        alone = []
+        for p in self.params:
+            if int(np.prod(self.shapes[p], dtype=np.int64)) > FOREACH_MAX_ELEMENTS:
+                alone.append([p])
+                continue
+            optimizer = self.optimizer.for_param(p, self.torch_names.get(p))
+            key = (self.dtypes[p], json.dumps(optimizer.config(), sort_keys=True))
+            groups.setdefault(key, []).append(p)
+        return [*groups.values(), *alone]
+
+    def _group_update(self, ob: Builder, ctx: UpdateContext, group: list[str], grads: dict[str, Var],
+                      states: dict[str, dict[str, Var]]) -> dict[str, tuple[Var, dict[str, Var]]]:
+        """One update over ``group``'s tensors flattened and concatenated (PyTorch's foreach optimizers), split
+        back into each parameter's new value and state."""
+        gb = ob.scoped("train/optimizer/foreach", f"{type(self.optimizer).__name__} update of {len(group)} "
+                       "small tensors at once")
+        ctx.b = gb
+        optimizer = self.optimizer.for_param(group[0], self.torch_names.get(group[0]))
+        sizes = [int(np.prod(self.shapes[p], dtype=np.int64)) for p in group]
+
+        def flat(values: list[Var]) -> Var:
+            return gb.op.Concat(*[gb.op.Reshape(gb.var(v.name), gb.ints([-1])) for v in values], axis=0)
+
+        names = list(states[group[0]])
+        new_p, new_state = optimizer.update(ctx, flat([gb.var(p) for p in group]), flat([grads[p] for p in group]),
+                                            {s: flat([states[p][s] for p in group]) for s in names})
+
+        def pieces(v: Var) -> list[Var]:
+            parts = gb.op.Split(v, gb.ints(sizes), axis=0, outputs=len(sizes))
+            return [gb.op.Reshape(part, gb.ints(list(self.shapes[p]))) for part, p in zip(parts, group)]
+
+        split_p = pieces(new_p)
+        split_state = {s: pieces(v) for s, v in new_state.items()}
+        return {p: (split_p[k], {s: split_state[s][k] for s in split_state}) for k, p in enumerate(group)}
+
+
+# parameters of at most this many elements are updated together (:meth:`_Builder._update_groups`): below it a
+# tensor's update is launch-bound (a dozen kernels each), above it the concatenation's copies would cost more
+FOREACH_MAX_ELEMENTS = 1 << 16
 
 
 def _guarded(b: Builder, first: int, finite: Var, updated: list[tuple[Var, Var, int, tuple]]) -> list[Var]:
@@ -826,10 +881,14 @@ class _Nodes:
                 self.readers.setdefault(name, []).append(n)
 
     def written_last(self, out: str, inp: str, finite: str | None = None, upstream: set[int] = frozenset()) -> bool:
-        """Whether ``out`` is made by an elementwise node that every other reader of ``inp`` here leads to
-        (those in ``upstream`` aside); with ``finite``, that node must also depend on it."""
+        """Whether ``out`` is made by a node that every other reader of ``inp`` here leads to (those in
+        ``upstream`` aside), an elementwise one where it reads ``inp`` itself (it reads element i before it
+        writes element i; a node that does not read ``inp``, as the split-back of parameters updated together,
+        runs after every reader); with ``finite``, that node must also depend on it."""
         node = self.producer.get(out)
-        if node is None or node.op_type not in _ELEMENTWISE or node.domain not in ("", "ai.onnx"):
+        if node is None or node.domain not in ("", "ai.onnx"):
+            return False
+        if inp in node.input and node.op_type not in _ELEMENTWISE:
             return False
         local, guarded, todo = {id(node)}, finite is None, [node]
         while todo:                     # the producer's ancestors here, short of the upstream ones
