@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 
 import numpy as np
@@ -19,7 +20,7 @@ F = torch.nn.functional
 
 import onnxgrad  # noqa: E402
 from onnxgrad import TrainingSession, losses, optim  # noqa: E402
-from onnxgrad.passes.params import REQUIRES_GRAD_KEY  # noqa: E402
+from onnxgrad.passes.params import NO_GRADIENT_KEY, REQUIRES_GRAD_KEY  # noqa: E402
 from onnxgrad.training.torch_export import FROM_TORCH_KEY, TORCH_TRAINING_KEY, TorchExportError  # noqa: E402
 
 STEPS = 4
@@ -406,9 +407,96 @@ def test_a_module_the_exporter_cannot_export_is_one_error_of_ours():
     assert "\n" not in str(e.value) and isinstance(e.value.__cause__, torch.onnx.OnnxExporterError)
 
 
-def test_without_torch_the_error_says_how_to_install_it(monkeypatch):
+@pytest.mark.parametrize("missing, said", [
+    (["torch"], "torch is missing"),
+    (["onnxscript"], "onnxscript is missing"),
+    (["torch", "onnxscript"], "torch and onnxscript are missing"),
+])
+def test_without_torch_the_error_says_what_is_missing_and_how_to_install_it(monkeypatch, missing, said):
     import sys
 
-    monkeypatch.setitem(sys.modules, "torch", None)
-    with pytest.raises(TorchExportError, match=r'pip install "onnxgrad\[torch\]"'):
+    for name in missing:
+        monkeypatch.setitem(sys.modules, name, None)        # import fails as if not installed
+    with pytest.raises(TorchExportError, match=said + r': pip install "onnxgrad\[torch\]" installs both'):
         onnxgrad.from_torch(object(), ())
+
+
+# -- parameters not in the graph: the forward's unused ones change nothing; a used one lost does ---------
+class KeepsAnUnusedCopy(nn.Module):
+    """As peft's ``modules_to_save`` wrapper: the original layer kept beside the copy the forward uses (here
+    trainable too, and one frozen parameter beside it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.original_module = nn.Linear(4, 3)
+        self.modules_to_save = nn.ModuleDict({"default": copy.deepcopy(self.original_module)})
+        self.unused_frozen = nn.Parameter(torch.ones(3), requires_grad=False)
+
+    def forward(self, x):
+        return self.modules_to_save["default"](torch.relu(self.body(x)))
+
+
+def _session_warnings(model):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        session = TrainingSession(model, loss=losses.MSELoss(output="logits", target="y"),
+                                  optimizer=optim.AdamW(lr=1e-2))
+    return session, [str(w.message) for w in caught if issubclass(w.category, onnxgrad.ExportWarning)]
+
+
+@functools.lru_cache(maxsize=None)
+def _unused_copy_export() -> onnx.ModelProto:
+    torch.manual_seed(0)
+    return onnxgrad.from_torch(KeepsAnUnusedCopy(), (torch.randn(2, 4),), input_names=["x"], output_names=["logits"])
+
+
+def test_parameters_the_forward_does_not_use_are_no_warning_and_are_named_in_the_report():
+    model = copy.deepcopy(_unused_copy_export())
+    assert "original_module.weight" not in {i.name for i in model.graph.initializer}
+    session, said = _session_warnings(model)
+    assert said == []
+    assert sorted(session.spec.params) == ["body.bias", "body.weight", "modules_to_save.default.bias",
+                                           "modules_to_save.default.weight"]
+    report = onnxgrad.parameters(model)
+    assert sorted(report.untouched) == ["original_module.bias", "original_module.weight", "unused_frozen"]
+    assert any("get no gradient in PyTorch either" in line for line in report.lines())
+
+
+def test_a_used_parameter_missing_from_the_graph_still_warns():
+    """An exporter that folded a parameter the forward uses into a constant: PyTorch trains it, the graph
+    cannot, so training differs and the warning stays (the unused ones stay quiet beside it)."""
+    model = copy.deepcopy(_unused_copy_export())
+    for init in model.graph.initializer:
+        if init.name == "body.bias":
+            init.name = "val_99"
+            del init.metadata_props[:]
+    for node in model.graph.node:
+        node.input[:] = ["val_99" if x == "body.bias" else x for x in node.input]
+    _, said = _session_warnings(model)
+    assert len(said) == 1 and "1 PyTorch parameter(s) of the module are not in the graph ('body.bias')" in said[0]
+    assert "original_module" not in said[0]
+
+
+def test_the_check_leaves_the_modules_state_alone():
+    """The forward that tells used from unused parameters runs in train mode on the example: the running
+    statistics and the module's mode are as before."""
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+            self.bn = nn.BatchNorm2d(4)
+            self.spare = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return F.dropout(self.bn(self.conv(x)), 0.5, self.training)
+
+    module = Unused().eval()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    model = onnxgrad.from_torch(module, (torch.randn(2, 3, 6, 6),))
+    assert not module.training
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    assert json.loads(dict((p.key, p.value) for p in model.metadata_props)[NO_GRADIENT_KEY]) == [
+        "spare.weight", "spare.bias"]

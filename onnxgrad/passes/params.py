@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -77,6 +78,9 @@ REEXPORT_HINT = ("export with onnxgrad.from_torch(module, args), or torch.onnx.e
 NODE_SCOPES_KEY = "pkg.torch.onnx.name_scopes"
 REWRITE_RULE_KEY = "pkg.onnxscript.rewriter.rule_name"
 FROM_TORCH_KEY = "onnxgrad.from_torch"           # model metadata: the torch version that exported it
+# model metadata (JSON list): the module's parameters from_torch found not in the graph that get no gradient in
+# PyTorch either (requires_grad=False, or unused by the forward): leaving them out is what PyTorch does
+NO_GRADIENT_KEY = "onnxgrad.torch_no_gradient"
 # the dynamo exporter names a folded tensor after the aten op that made it (exp, mul_3): one of these is a
 # function of the parameter (its values changed, not rearranged), which cannot train as the parameter
 _FUNCTION_OF = re.compile(r"^(exp|exp2|expm1|log|log1p|log2|log10|mul|div|add|sub|rsub|pow|sqrt|rsqrt|reciprocal|"
@@ -136,10 +140,13 @@ class ParameterReport:
     """Every float initializer of a model with its decision, in model order, and what the exporter did
     that training cannot undo (:class:`Finding`)."""
 
-    def __init__(self, entries: Sequence[Parameter], what: str, findings: Sequence[Finding] = ()):
+    def __init__(self, entries: Sequence[Parameter], what: str, findings: Sequence[Finding] = (),
+                 untouched: Sequence[str] = ()):
         self.entries = list(entries)
         self.what = what
         self.findings = list(findings)
+        # PyTorch parameters not in the graph that PyTorch does not train either (from_torch records them)
+        self.untouched = list(untouched)
         self._by_name = {p.name: p for p in self.entries}
 
     @property
@@ -171,6 +178,10 @@ class ParameterReport:
         if left:
             out.append(f"float initializers not trained: {len(left)}")
             out += ["  " + p.line(command_line) for p in left]
+        if self.untouched:
+            out.append(f"PyTorch parameters not in the graph, which get no gradient in PyTorch either (unused by "
+                       f"the forward, or requires_grad=False): {len(self.untouched)}")
+            out.append("  " + some(self.untouched, shown=10))
         if self.findings:
             out.append(f"what the exporter did that training cannot undo: {len(self.findings)}")
             out += ["  " + f.line(command_line) for f in self.findings]
@@ -222,7 +233,20 @@ def parameters_of(objective: Objective, frozen: Sequence[str] = ()) -> Parameter
                       "(restored as an Expand of them)", p.torch_name, rows_of=p.name)
             for p in decisions if p.tie_op == "Expand"]
     decisions += split + rows
-    return ParameterReport(decisions, what, _findings(model, facts, merges, decisions))
+    untouched = _no_torch_gradient(model)
+    return ParameterReport(decisions, what, _findings(model, facts, merges, decisions, set(untouched)),
+                           [t for t in untouched if facts.kind(t) == "PARAMETER" and t not in facts.held])
+
+
+def _no_torch_gradient(model: onnx.ModelProto) -> list[str]:
+    """The parameters :func:`onnxgrad.from_torch` recorded as missing from the graph without a gradient in
+    PyTorch (``NO_GRADIENT_KEY``)."""
+    text = next((p.value for p in model.metadata_props if p.key == NO_GRADIENT_KEY), "")
+    try:
+        names = json.loads(text) if text else []
+    except ValueError:
+        return []
+    return [str(n) for n in names] if isinstance(names, list) else []
 
 
 def recorded_torch_names(model: onnx.ModelProto) -> dict[str, str]:
@@ -511,7 +535,7 @@ def _split_off(target: str, holder: Parameter | None, uses: tuple, what: str, fr
 
 
 def _findings(model: onnx.ModelProto, facts: _ModelFacts, merges: list[tuple[str, str, tuple, str]],
-              decisions: list[Parameter]) -> list[Finding]:
+              decisions: list[Parameter], untouched: set[str] = frozenset()) -> list[Finding]:
     """What the exporter did that training cannot take back, each the way out first, then what happened with a
     few of the tensors and a count (a ResNet's list would make a line of 1,400 characters)."""
     g = model.graph
@@ -546,13 +570,14 @@ def _findings(model: onnx.ModelProto, facts: _ModelFacts, merges: list[tuple[str
                 "and trains W*gamma/sigma, not PyTorch's parameters"), refused_in_train_mode=True))
     split = {t for t, _, _, _ in merges}
     unresolved = [t for t, kind in facts.kinds.items() if kind == "PARAMETER" and t not in facts.held
-                  and t not in split and t.rpartition(".")[0] not in folded]
+                  and t not in split and t.rpartition(".")[0] not in folded and t not in untouched]
     if unresolved:
         out.append(Finding("merged", tuple(unresolved), (
             f"{REEXPORT_HINT}: {len(unresolved)} PyTorch parameter(s) of the module are not in the graph ("
             f"{some(unresolved)}): the exporter merged them into tensors of equal values or folded them into "
-            "constants (or the forward does not use them), and which tensor holds each cannot be told, so they "
-            "are not trained as PyTorch trains them")))
+            "constants" + ("" if FROM_TORCH_KEY in {p.key for p in model.metadata_props} else
+                           " (or the forward does not use them: onnxgrad.from_torch tells which)")
+            + ", and which tensor holds each cannot be told, so they are not trained as PyTorch trains them")))
     for name in (i.name for i in g.initializer if facts.folded_from(i.name)):
         sources = facts.parameter_sources(name)
         if sources and _FUNCTION_OF.match(name):

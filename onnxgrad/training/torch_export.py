@@ -21,7 +21,9 @@ torch is an optional extra (``pip install "onnxgrad[torch]"``); it is imported h
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
+import json
 import logging
 import warnings
 from typing import Any, Iterator, Mapping
@@ -30,7 +32,7 @@ import onnx
 
 from ..errors import OnnxGradError
 from ..ir import model as M
-from ..passes.params import FROM_TORCH_KEY, REQUIRES_GRAD_KEY
+from ..passes.params import FROM_TORCH_KEY, NO_GRADIENT_KEY, REQUIRES_GRAD_KEY
 
 __all__ = ["from_torch", "TorchExportError", "FROM_TORCH_KEY", "TORCH_TRAINING_KEY"]
 
@@ -74,12 +76,7 @@ def from_torch(module: Any, args: Any, kwargs: Mapping[str, Any] | None = None, 
     except those training depends on: ``dynamo`` and ``optimize`` are set here, and a value that would
     break training is refused with the reason.
     """
-    try:
-        import onnxscript  # noqa: F401  (torch.onnx's dynamo exporter imports it when it exports)
-        import torch
-    except ImportError as e:
-        raise TorchExportError(f'from_torch needs PyTorch and onnxscript ({e.name} is missing): '
-                               'pip install "onnxgrad[torch]"') from None
+    torch = _import_torch()
     if not isinstance(module, torch.nn.Module):
         raise TorchExportError(f"from_torch exports a torch.nn.Module, got {type(module).__name__}")
     _check_options(options)
@@ -103,7 +100,26 @@ def from_torch(module: Any, args: Any, kwargs: Mapping[str, Any] | None = None, 
     model = program.model_proto
     _mark_untrained(model, module)
     M.set_metadata(model, {FROM_TORCH_KEY: torch.__version__, TORCH_TRAINING_KEY: "true" if training else "false"})
+    gradless = _gradless_missing(model, module, args, kwargs, torch)
+    if gradless:
+        M.set_metadata(model, {NO_GRADIENT_KEY: json.dumps(gradless)})
     return model
+
+
+def _import_torch() -> Any:
+    """torch, with onnxscript beside it (torch.onnx's dynamo exporter imports it when it exports); what is
+    missing is named, with the command that installs both."""
+    found, missing = {}, []
+    for name in ("torch", "onnxscript"):
+        try:
+            found[name] = importlib.import_module(name)
+        except ImportError as e:
+            missing.append(name if e.name in (name, None) else f"{name} (it cannot import {e.name})")
+    if missing:
+        raise TorchExportError(f"from_torch needs torch and onnxscript (torch.onnx's exporter), and "
+                               f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing: "
+                               f'pip install "onnxgrad[torch]" installs both')
+    return found["torch"]
 
 
 def _summary(report: str) -> str:
@@ -198,3 +214,38 @@ def _mark_untrained(model: onnx.ModelProto, module: Any) -> None:
     for init in model.graph.initializer:
         if init.name in frozen:
             M.set_metadata(init, {REQUIRES_GRAD_KEY: "false"})
+
+
+def _gradless_missing(model: onnx.ModelProto, module: Any, args: tuple, kwargs: Mapping[str, Any] | None,
+                      torch: Any) -> list[str]:
+    """The module's parameters the graph does not hold that get no gradient in PyTorch either: frozen
+    (``requires_grad=False``) or unused by the forward (peft's ``original_module`` beside the copy
+    ``modules_to_save`` trains). Training them nowhere is what PyTorch does, so they change nothing; a missing
+    parameter that does get a gradient is one the exporter lost. Told by one forward and ``autograd.grad`` on
+    the example arguments, run only when a parameter is missing (the module's RNG and buffers are left as
+    they were)."""
+    held = {init.name for init in model.graph.initializer}
+    in_graph = {id(p) for name, p in module.named_parameters(remove_duplicate=False) if name in held}
+    missing = [(name, p) for name, p in module.named_parameters() if id(p) not in in_graph]
+    trained = [(name, p) for name, p in missing if p.requires_grad]
+    grads = _torch_gradients(module, args, kwargs, [p for _, p in trained], torch) if trained else []
+    used = {name for (name, _), g in zip(trained, grads) if g is not None}
+    return [name for name, _ in missing if name not in used]
+
+
+def _torch_gradients(module: Any, args: tuple, kwargs: Mapping[str, Any] | None, params: list, torch: Any) -> list:
+    """The gradients of the sum of the module's float outputs (in train mode, as exported) with respect to
+    ``params``: None for each that the outputs do not depend on."""
+    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    try:
+        with _train_mode(module), torch.random.fork_rng(), torch.enable_grad():
+            outputs = module(*args, **dict(kwargs or {}))
+            leaves = [t for t in torch.utils._pytree.tree_leaves(outputs)
+                      if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+            if not leaves:
+                return [None] * len(params)
+            return list(torch.autograd.grad(sum(t.sum() for t in leaves), params, allow_unused=True))
+    finally:
+        with torch.no_grad():
+            for name, b in module.named_buffers():
+                b.copy_(buffers[name])
