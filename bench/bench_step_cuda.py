@@ -369,7 +369,7 @@ def print_result(r: Result) -> None:
 
 
 def print_markdown(results: list[Result], device_name: str) -> None:
-    """The rows as the README's table: median [min] ms, ratios of medians, peak memory."""
+    """The rows as docs/benchmarks.md's GPU table: median [min] ms, ratios of medians, peak memory."""
     print(f"\n| model ({device_name}) | forward ms | onnxgrad step ms | PyTorch eager ms | torch.compile ms | "
           "onnxgrad / eager | step / forward | memory MB, ours / eager (reserved) |")
     print("|---|---|---|---|---|---|---|---|")

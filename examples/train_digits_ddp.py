@@ -9,7 +9,7 @@ samples), and ``TrainingSession(..., data_parallel=True)`` averages the gradient
 before the one update they all apply. Rank 0 alone shows progress, evaluates, exports and prints
 ``test accuracy: <value>`` (as the single-process example: the same global batches, the same updates
 up to rounding). Several machines: run torchrun on each with ``--nnodes``, ``--node-rank`` and a
-``--rdzv-endpoint`` that all reach (see the README).
+``--rdzv-endpoint`` that all reach (see docs/data-parallel.md).
 """
 from __future__ import annotations
 

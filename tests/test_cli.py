@@ -1,6 +1,7 @@
 """python -m onnxgrad: output file, summary, --check, and one-line errors with exit code 2."""
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -194,3 +195,10 @@ def test_check_names_the_node_onnx_reference_cannot_evaluate(tmp_path):
     assert r.stderr.startswith("error: --check could not run the model on random inputs: onnx.reference cannot "
                                "evaluate node 'buffered_token_type_ids' (GatherElements)"), r.stderr
     assert not (tmp_path / "bert.grad.onnx").exists()
+
+
+def test_ops_cases_finds_the_harness_in_a_checkout():
+    """Outside pytest (``python -m onnxgrad ops --cases`` from a checkout) the backend cases load from tests/."""
+    from onnxgrad.tools import coverage
+
+    assert coverage.BACKEND_CASES == Path(__file__).resolve().parent / "backend_cases.py"

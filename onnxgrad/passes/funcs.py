@@ -99,7 +99,7 @@ def jacfwd(model: ModelLike, wrt: Sequence[str] | str, of: Sequence[str] | str |
 
 def jacobian(model: ModelLike, wrt: Sequence[str] | str, of: Sequence[str] | str | None = None,
              mode: str = "rev", allow_unused: bool = True) -> onnx.ModelProto:
-    """J[y][x] = dy/dx for every ``of`` output y and ``wrt`` tensor x, as outputs ``d<y>_d<x>``.
+    """``J[y][x] = dy/dx`` for every ``of`` output y and ``wrt`` tensor x, as outputs ``d<y>_d<x>``.
 
     ``mode="rev"``: one Loop over the rows (one-hot seeds of y) per output, cheap when outputs are
     small; ``"fwd"``: one Loop over the columns (one-hot directions of x) per wrt tensor, cheap

@@ -168,7 +168,7 @@ def _quietly(run, cases):
 
 # onnx's backend node cases run through the test harness's tests/backend_cases.py: test support, which the
 # installed package does not ship; ``ops --cases`` finds it in a source checkout (an editable install).
-BACKEND_CASES = Path(__file__).resolve().parent.parent / "tests" / "backend_cases.py"
+BACKEND_CASES = Path(__file__).resolve().parents[2] / "tests" / "backend_cases.py"   # onnxgrad/tools/ -> the checkout
 
 
 def backend_cases():

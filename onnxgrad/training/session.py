@@ -129,7 +129,7 @@ class TrainingSession:
     held a step's activations twice). ``recompute``: the backward computes cheap activations again
     (ReLUs, batch-norm outputs, GELUs) instead of keeping them from the forward (:mod:`onnxgrad.passes.recompute`):
     less is held from the forward into the backward, for a little more time; a step's peak falls only
-    where it lies there (the README's measurements). Checkpoints keep the setting.
+    where it lies there (bench/README.md's measurements). Checkpoints keep the setting.
 
     ``lr`` (the learning rate of the next steps; a scheduler sets it), ``step_count``
     (updates applied), ``skipped_steps`` and ``last_grad_norm`` are plain attributes;
