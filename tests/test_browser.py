@@ -103,6 +103,16 @@ def test_every_training_node_runs_on_webgpu(page, config, name):
 
 
 @pytest.mark.parametrize("config", ["jsep", "webgpu"])
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_a_nan_batch_is_refused_on_the_gpu(page, config, name):
+    # the finiteness check (|x| < FLT_MAX) and softmax's NaN rows (not x == x) rely on NaN comparisons on the GPU
+    bundle, ep = B.CONFIGS[config]
+    r = page.evaluate("c => window.nanStep(c)", {"bundle": bundle, "ep": ep, "name": name})
+    assert r["refused"] == "NonFiniteError" and r["unchanged"], r
+    assert r["stepCount"] == 1 and np.isfinite(r["loss"])
+
+
+@pytest.mark.parametrize("config", ["jsep", "webgpu"])
 def test_the_state_stays_on_the_gpu_without_a_leak(page, config):
     # 1000 steps: each step's state outputs are new GPU buffers; the ones they replace are disposed, and release()
     # frees the last set

@@ -113,3 +113,35 @@ window.leak = async ({ bundle, name, steps }) => {
   ort.Tensor.prototype.dispose = dispose;
   return { held, afterSteps, afterRelease: disposed, loss, stepCount: steps };
 };
+
+/**
+ * One step of fixture ``name`` on a batch whose first float is NaN: the session must refuse it (NonFiniteError)
+ * and keep every parameter as it was, the finiteness check computed on the GPU.
+ * @param {{bundle: string, ep: string, name: string}} cfg
+ */
+window.nanStep = async ({ bundle, ep, name }) => {
+  const ort = await ortOf(bundle);
+  const fx = `/fx/${name}`;
+  const session = await TrainingSession.create(ort, {
+    train: await bytes(`${fx}.train.onnx`), state: await bytes(`${fx}.state.safetensors`),
+    schedule: await bytes(`${fx}.schedule.onnx`),
+  }, { executionProvider: ep });
+  const { tensors } = readSafetensors(await bytes(`${fx}.batches.safetensors`));
+  const good = batch(tensors, 0);
+  const poisoned = { ...good };
+  const first = Object.keys(good).find((k) => good[k].data instanceof Float32Array);
+  poisoned[first] = { data: good[first].data.slice(), dims: good[first].dims };
+  poisoned[first].data[0] = NaN;
+  const before = await session.parameters();
+  let refused = '';
+  try {
+    await session.step(poisoned);
+  } catch (e) {
+    refused = /** @type {Error} */ (e).name;
+  }
+  const after = await session.parameters();
+  const unchanged = Object.keys(before).every((p) => before[p].every((v, i) => Object.is(v, after[p][i])));
+  const loss = await session.step(good);              // and the next good batch trains
+  await session.release();
+  return { refused, unchanged, stepCount: session.stepCount, loss };
+};

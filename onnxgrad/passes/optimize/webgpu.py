@@ -1,9 +1,10 @@
 """Rewrites for onnxruntime-web's WebGPU providers: every node on the GPU, every value right.
 
-Measured in Chromium with onnxruntime-web 1.30 (``bench/probe_webgpu.py`` runs one-node models through the
-``ort.all`` bundle's JSEP provider and the ``ort.webgpu`` bundle's native one, and records where each ran and
-whether it matched onnxruntime's CPU provider: ``onnxgrad.passes.optimize.webgpu_kernels``). What they lack or
-get wrong, and the standard ops written here instead:
+Measured in Chromium with onnxruntime-web 1.30, through the ``ort.all`` bundle's JSEP provider and the
+``ort.webgpu`` bundle's native one: first on one-node models against onnxruntime's CPU provider (a probe of an
+earlier session, not kept), then on whole training graphs by ``tests/test_browser.py``, which trains five model
+families on both and reads every node's placement from onnxruntime's verbose log. What the providers lack or get
+wrong, and the standard ops written here instead:
 
 - variadic ``Sum`` and ``Mean`` run on the CPU in both, ``Max``/``Min`` in JSEP: trees of ``Add``, and
   ``Where(a > b, a, b)``;
@@ -23,10 +24,10 @@ get wrong, and the standard ops written here instead:
   with NaN, which WGSL leaves to the implementation: checked on SwiftShader;
 - nothing of int64 runs on the GPU (arithmetic, comparisons, ``Where``, ``Cast``, ``Unsqueeze``): class labels
   are fed as int32 (:func:`labels_as_int32`), the step count is int32 and the step's float64 scalars move to a
-  schedule model run on the CPU (:mod:`onnxgrad.passes.optimize.schedule`);
+  schedule model computed on the CPU (:mod:`onnxgrad.passes.optimize.schedule`; the JavaScript session evaluates
+  its few scalar ops itself);
 - ``Identity`` runs on the CPU in JSEP: readers read its input (:func:`without_identities`);
-- ``And`` and ``Or`` of masks (Clip's gradient) run on the CPU: products and sums of 0/1 floats.
-
+- ``And`` and ``Or`` of masks (Clip's gradient) run on the CPU: products and sums of 0/1 floats;
 - a forward ``LSTM`` (on the CPU in JSEP) unrolled into per-step ops (GRU and RNN are not yet).
 
 Train-mode ``BatchNormalization`` (refused by both) is :mod:`onnxgrad.passes.optimize.batch_norm`'s.
