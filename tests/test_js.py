@@ -56,6 +56,8 @@ def ran(tmp_path_factory):
             s.save(folder / f"{name}.py_checkpoint.safetensors")
             entry.update(python_checkpoint=f"{name}.py_checkpoint.safetensors", python_checkpoint_steps=2)
         manifest["models"][name] = entry
+    write_job(folder, "mlp", 1, extra=("--accumulation-steps", "2"), stem="mlp_accumulating")
+    manifest["refused"] = {"mlp_accumulating": "accumulate"}     # what the JS session does not run, and why
     (folder / "manifest.json").write_text(json.dumps(manifest))
     r = subprocess.run([NODE, "--test", "test/"], cwd=JS, env={**os.environ, "ONNXGRAD_JS_FIXTURES": str(folder)},
                        capture_output=True, text=True, timeout=600)

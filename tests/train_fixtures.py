@@ -99,19 +99,22 @@ JOBS: dict[str, tuple[Callable[[], "onnx.ModelProto | Path"], list[str], Callabl
 }
 
 
-def write_job(folder: Path, name: str, steps: int, target: str | None = "webgpu", seed: int = 7) -> list[dict]:
-    """Write job ``name``'s artifacts (``<name>.train.onnx`` ...) and batches into ``folder``; returns the batches."""
+def write_job(folder: Path, name: str, steps: int, target: str | None = "webgpu", seed: int = 7,
+              extra: tuple[str, ...] = (), stem: str | None = None) -> list[dict]:
+    """Write job ``name``'s artifacts (``<stem>.train.onnx`` ..., the CLI's ``extra`` arguments added) and batches
+    into ``folder``; returns the batches."""
     model, args, batches_of = JOBS[name]
     source = model()
-    path = folder / f"{name}.onnx"
+    stem = stem or name
+    path = folder / f"{stem}.onnx"
     if isinstance(source, onnx.ModelProto):
         onnx.save(source, path)
     else:
         shutil.copy(source, path)
     with contextlib.redirect_stdout(io.StringIO()):
-        assert cli_main([str(path), *args, *(["--optimize-for", target] if target else []),
-                         "-o", str(folder / f"{name}.train.onnx")]) == 0
+        assert cli_main([str(path), *args, *extra, *(["--optimize-for", target] if target else []),
+                         "-o", str(folder / f"{stem}.train.onnx")]) == 0
     batches = batches_of(np.random.default_rng(seed), steps)
     save_file({f"{k}/{i}": np.ascontiguousarray(v) for k, b in enumerate(batches) for i, v in b.items()},
-              str(folder / f"{name}.batches.safetensors"))
+              str(folder / f"{stem}.batches.safetensors"))
     return batches

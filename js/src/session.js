@@ -130,7 +130,11 @@ export class TrainingSession {
       for (const [input, out] of Object.values(states)) feedback.set(out, input);
     }
     for (const [input, out] of Object.values(spec.buffers ?? {})) feedback.set(out, input);
-    if (spec.schedule?.outputs?.length && !files.schedule) {
+    if ((spec.accumulation_steps ?? 1) > 1) {
+      throw new TrainingError(`these artifacts accumulate gradients over ${spec.accumulation_steps} micro-batches, `
+        + 'which this session does not run: write them without --accumulation-steps (a larger batch per step)');
+    }
+        if (spec.schedule?.outputs?.length && !files.schedule) {
       throw new TrainingError('these artifacts were built for the webgpu target: pass their schedule model as '
         + 'files.schedule (<stem>.schedule.onnx)');
     }

@@ -129,3 +129,13 @@ test('the learning rate is the one set before the step, and saved with the state
   await s.release();
   await resumed.release();
 });
+
+test('artifacts the session cannot run are refused before the first step, saying why', { skip: noFixtures }, async () => {
+  for (const [stem, why] of Object.entries(manifest.refused ?? {})) {
+    await assert.rejects(TrainingSession.create(ort, {
+      train: file(`${stem}.train.onnx`), state: file(`${stem}.state.safetensors`),
+      schedule: file(`${stem}.schedule.onnx`),
+    }, { executionProvider: 'cpu' }), (e) => e instanceof TrainingError && e.message.includes(why));
+  }
+  assert.ok(Object.keys(manifest.refused ?? {}).length > 0);
+});
