@@ -149,7 +149,8 @@ def compare_with_torch(module: Any, batches: Iterable[Any], optimizer: Any, *,
         import torch
     except ImportError:
         raise CompareError('compare_with_torch needs torch: pip install "onnxgrad[torch]"') from None
-    import onnxgrad
+    from ..training.session import TrainingSession
+    from ..training.torch_export import from_torch
 
     data = [_as_torch(b, torch) for b in batches]
     data = data[:steps] if steps is not None else data
@@ -170,9 +171,9 @@ def compare_with_torch(module: Any, batches: Iterable[Any], optimizer: Any, *,
     t32u = _one_ulp_up(copy.deepcopy(base), torch)
     x0, y0 = data[0]
     names = [f"input_{k}" for k in range(len(x0))] + ["target"]
-    model = onnxgrad.from_torch(ours_module, (*x0, y0), input_names=names, output_names=["loss"])
-    session = onnxgrad.TrainingSession(model, loss="loss", optimizer=optimizer, providers=providers,
-                                       train_mode=module.training)
+    model = from_torch(ours_module, (*x0, y0), input_names=names, output_names=["loss"])
+    session = TrainingSession(model, loss="loss", optimizer=optimizer, providers=providers,
+                              train_mode=module.training)
     opt32 = make_torch([p for p in t32.parameters() if p.requires_grad])
     opt64 = make_torch([p for p in t64.parameters() if p.requires_grad])
     opt32u = make_torch([p for p in t32u.parameters() if p.requires_grad])
