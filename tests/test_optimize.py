@@ -263,6 +263,17 @@ def test_where_zero_as_mul(case):
     assert _ops(fast).count("Where") == _ops(canonical).count("Where") - 1 and "Cast" in _ops(fast)
 
 
+def test_cpu_target_turns_the_max_pool_taps_masks_into_products():
+    """MaxPool's 2x2 gradient routes dy to each window's maximum with one Where(mask, dy, 0) per tap: a masking
+    rule, so the CPU target multiplies instead (leaving its four Wheres took bench_step's CNN from 11.0 to 13.7 ms
+    a step; found bisecting issue 33's regression)."""
+    case = Case("MaxPool", [distinct(2, 3, 4, 4)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]))
+    model, _, wrt = case_model(case)
+    fast, report = optimize(onnxgrad.grad(model, wrt=wrt, of=["y0"]), "cpu", first=1)
+    assert [name for name, _ in report.applied].count("where_zero_as_mul") == 4, report.applied
+    assert "Where" not in _ops(fast)
+
+
 def test_where_zero_as_mul_keeps_a_where_that_scrubs_nan():
     """Softmax's gradient zeroes the NaN rows of fully masked attention with Where(IsNaN(y), 0, y): as a
     product the NaN stays, and every gradient of the model (the exported GPT at opset 23, ONNX Attention with
