@@ -38,6 +38,7 @@ from .conv import (
     CONV_INPUT_GRAD_FLIPPED,
     CONV_TRANSPOSE_SYMMETRIC,
     CONV_WEIGHT_GRAD_PATCHES,
+    asymmetric,
 )
 from .masks import WHERE_ZERO_AS_MUL
 from .pool import MAX_POOL_TAPS
@@ -98,10 +99,9 @@ def cuda_refusals(model: onnx.ModelProto) -> list[str]:
         if node.op_type == "BatchNormalization" and opset >= 14 and "training_mode" in attrs and \
                 attrs["training_mode"].i:
             found.append(f"{node.name} (BatchNormalization): training_mode=1 at opset {opset}")
-        if node.op_type == "ConvTranspose" and "pads" in attrs:
-            pads = list(attrs["pads"].ints)
-            if pads[:len(pads) // 2] != pads[len(pads) // 2:]:
-                found.append(f"{node.name} (ConvTranspose): asymmetric pads {pads} run on the CPU provider")
+        if node.op_type == "ConvTranspose" and "pads" in attrs and asymmetric(attrs["pads"].ints):
+            found.append(f"{node.name} (ConvTranspose): asymmetric pads {list(attrs['pads'].ints)} run on the "
+                         "CPU provider")
     return found
 
 

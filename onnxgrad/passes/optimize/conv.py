@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper
 
 from ...ir.builder import Builder, Var
 from ...ir.model import FLOAT_TYPES
@@ -287,12 +286,14 @@ def _asymmetric_transpose(view: GraphView, node: onnx.NodeProto) -> Match | None
     """A ConvTranspose cropping fewer elements at the end than at the start (an input gradient of a strided
     Conv whose input size the stride does not divide: pads [1, 1, 0, 0])."""
     pads = view.attr(node, "pads")
-    if not pads or view.attr(node, "auto_pad", "NOTSET") != "NOTSET":
-        return None
-    k = len(pads) // 2
-    if all(pads[i] == pads[i + k] for i in range(k)):
+    if not pads or view.attr(node, "auto_pad", "NOTSET") != "NOTSET" or not asymmetric(pads):
         return None
     return Match(node, list(node.output), dict(node=node, pads=pads))
+
+
+def asymmetric(pads: list[int]) -> bool:
+    """Whether ONNX ``pads`` (every axis' begin, then every axis' end) crop or pad an axis unevenly."""
+    return list(pads[:len(pads) // 2]) != list(pads[len(pads) // 2:])
 
 
 def _transpose_check(view: GraphView, m: Match) -> str | None:
@@ -311,8 +312,7 @@ def _symmetric_transpose(b: Builder, view: GraphView, m: Match) -> list[Var]:
     full output (output_padding extends it at the end). onnxruntime's CUDA provider hands asymmetric
     pads to the CPU provider (a host round trip inside the step), JSEP computes them wrong."""
     node, k = m.node, len(m.pads) // 2
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    attrs = {key: (v.decode() if isinstance(v, bytes) else v) for key, v in attrs.items()}
+    attrs = view.attributes(node)
     extra = attrs.get("output_padding") or [0] * k
     attrs["output_padding"] = [extra[i] + m.pads[i] - m.pads[i + k] for i in range(k)]
     attrs["pads"] = list(m.pads[:k]) * 2

@@ -87,6 +87,12 @@ class GraphView:
                 return list(value) if isinstance(value, (list, tuple)) or a.type == a.INTS else value
         return default
 
+    @staticmethod
+    def attributes(node: onnx.NodeProto) -> dict[str, Any]:
+        """Every attribute of ``node`` as :meth:`attr` reads it (text for strings): what emitting the same op
+        again takes."""
+        return {a.name: GraphView.attr(node, a.name) for a in node.attribute}
+
     def candidates(self, op_type: str, forward: bool | None = False) -> list[onnx.NodeProto]:
         """The ``op_type`` nodes a rewrite may replace: the backward's, with ``forward`` the forward's, with
         None every one."""

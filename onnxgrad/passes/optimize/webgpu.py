@@ -119,13 +119,17 @@ def _wide_concat(view: GraphView, node: onnx.NodeProto) -> Match | None:
     return Match(node, [node.output[0]], dict(inputs=list(node.input), axis=int(view.attr(node, "axis"))))
 
 
-def _concat_tree(b: Builder, view: GraphView, m: Match) -> list[Var]:
-    """Concat(x1..xn) = Concat(Concat(x1..x7), Concat(x8..x14), ...), each node binding at most eight tensors."""
-    parts = [b.var(x) for x in m.inputs]
+def _concat(b: Builder, parts: list[Var], axis: int) -> Var:
+    """Concat(x1..xn) = Concat(Concat(x1..x7), Concat(x8..x14), ...), each node binding at most eight tensors
+    (:data:`MAX_BINDINGS`)."""
     while len(parts) > _FAN:
-        parts = [b.op.Concat(*parts[k:k + _FAN], axis=m.axis) if len(parts[k:k + _FAN]) > 1 else parts[k]
+        parts = [b.op.Concat(*parts[k:k + _FAN], axis=axis) if len(parts[k:k + _FAN]) > 1 else parts[k]
                  for k in range(0, len(parts), _FAN)]
-    return [b.op.Concat(*parts, axis=m.axis)]
+    return b.op.Concat(*parts, axis=axis) if len(parts) > 1 else parts[0]
+
+
+def _concat_tree(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    return [_concat(b, [b.var(x) for x in m.inputs], m.axis)]
 
 
 def _wide_split(view: GraphView, node: onnx.NodeProto) -> Match | None:
@@ -200,8 +204,7 @@ def _explicit_conv(b: Builder, view: GraphView, m: Match) -> list[Var]:
     """The same Conv/ConvTranspose with ``dilations`` and ``strides`` written out (ones: the defaults)."""
     node = m.node
     spatial = len(view.info(node.input[1]).shape) - 2
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    attrs = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in attrs.items()}
+    attrs = view.attributes(node)
     attrs.setdefault("dilations", [1] * spatial)
     attrs.setdefault("strides", [1] * spatial)
     out = b.emit(node.op_type, [b.var(x) if x else None for x in node.input], **attrs)
@@ -363,14 +366,6 @@ def _lstm_check(view: GraphView, m: Match) -> str | None:
     if view.shape(x) is None or view.shape(w) is None:
         return "its input's or weights' shape is not static"
     return None
-
-
-def _concat(b: Builder, parts: list[Var], axis: int) -> Var:
-    """Concat of ``parts`` as a tree of nodes of at most seven inputs (:data:`MAX_BINDINGS`)."""
-    while len(parts) > _FAN:
-        parts = [b.op.Concat(*parts[k:k + _FAN], axis=axis) if len(parts[k:k + _FAN]) > 1 else parts[k]
-                 for k in range(0, len(parts), _FAN)]
-    return b.op.Concat(*parts, axis=axis) if len(parts) > 1 else parts[0]
 
 
 def _lstm_as_ops(b: Builder, view: GraphView, m: Match) -> list[Var]:
