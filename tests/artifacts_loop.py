@@ -4,6 +4,7 @@ Used to check artifacts built for a target against the canonical ones, and the J
 against Python on the same files."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -38,3 +39,22 @@ def train_steps(train: onnx.ModelProto, schedule: onnx.ModelProto | None, values
             if o.endswith(".next") and o[:-5] in values:
                 values[o[:-5]] = v
     return losses, values
+
+
+def train_job(folder: Path, stem: str, steps: int | None = None) -> tuple[list[float], dict[str, np.ndarray]]:
+    """:func:`train_steps` on the files of a job written into ``folder`` (``<stem>.train.onnx``, its schedule
+    model where there is one, ``<stem>.state.safetensors``) with its batches (``<stem>.batches.safetensors``,
+    tensors ``k/input``), the first ``steps`` of them where given."""
+    from safetensors.numpy import load_file
+
+    from onnxgrad.training import state
+
+    held = state.read(folder / f"{stem}.state.safetensors")
+    schedule = folder / f"{stem}.schedule.onnx"
+    flat = load_file(str(folder / f"{stem}.batches.safetensors"))
+    batches: list[dict[str, np.ndarray]] = [{} for _ in range(1 + max(int(k.split("/")[0]) for k in flat))]
+    for key, value in flat.items():
+        k, name = key.split("/")
+        batches[int(k)][name] = value
+    return train_steps(onnx.load(folder / f"{stem}.train.onnx"), onnx.load(schedule) if schedule.exists() else None,
+                       held.tensors, held.training["loss"], batches[:steps])

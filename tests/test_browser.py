@@ -11,7 +11,7 @@ import browser_support as B
 import numpy as np
 import onnx
 import pytest
-from artifacts_loop import train_steps
+from artifacts_loop import train_job
 from train_fixtures import write_job
 
 from onnxgrad.passes.optimize import TARGETS
@@ -47,25 +47,6 @@ def page(folder):
         yield page
 
 
-def python_run(folder, name):
-    held = state.read(folder / f"{name}.state.safetensors")
-    schedule = folder / f"{name}.schedule.onnx"
-    batches = _batches(folder, name)
-    return train_steps(onnx.load(folder / f"{name}.train.onnx"), onnx.load(schedule) if schedule.exists() else None,
-                       held.tensors, held.training["loss"], batches)
-
-
-def _batches(folder, name):
-    from safetensors.numpy import load_file
-
-    flat = load_file(str(folder / f"{name}.batches.safetensors"))
-    out = [dict() for _ in range(STEPS)]
-    for key, value in flat.items():
-        k, i = key.split("/")
-        out[int(k)][i] = value
-    return out
-
-
 def browser_run(page, folder, config, name, fixture=None):
     bundle, ep = B.CONFIGS[config]
     schedule = (folder / f"{name}.schedule.onnx").exists()
@@ -83,7 +64,7 @@ def worst(held, want, params):
 @pytest.mark.parametrize("config", list(B.CONFIGS))
 @pytest.mark.parametrize("name", MODELS)
 def test_the_browser_trains_as_python_does(page, folder, config, name):
-    want_losses, want = python_run(folder, name)
+    want_losses, want = train_job(folder, name)
     losses, held, ms = browser_run(page, folder, config, name)
     print(f"{name} {config}: {ms:.1f} ms/step ({B.adapter(page) if config != 'wasm' else 'wasm'})")
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
@@ -129,7 +110,7 @@ def test_jsep_trains_wide_concats_and_splits_silently_wrong(page, folder):
     wide = folder / "wide"
     onnx_ops = onnx.load(wide / "lstm12.train.onnx").graph.node
     assert max(len(n.input) for n in onnx_ops if n.op_type == "Concat") >= 8
-    want_losses, want = python_run(wide, "lstm12")
+    want_losses, want = train_job(wide, "lstm12")
     losses, held, _ = browser_run(page, wide, "jsep", "lstm12", fixture="wide/lstm12")
     assert np.allclose(losses[0], want_losses[0], rtol=1e-5)             # the forward is right
     assert worst(held, want, held.training["params"]) > 1                # the update is not

@@ -14,7 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from artifacts_loop import train_steps
+from artifacts_loop import train_job
 from train_fixtures import write_job
 
 from onnxgrad import TrainingSession, optim
@@ -66,18 +66,10 @@ def ran(tmp_path_factory):
     return folder, cases
 
 
-def python_run(folder: Path, name: str, batches):
-    held = state.read(folder / f"{name}.state.safetensors")
-    schedule = folder / f"{name}.schedule.onnx"
-    return train_steps(onnx.load(folder / f"{name}.train.onnx"), onnx.load(schedule) if schedule.exists() else None,
-                       held.tensors, held.training["loss"], batches)
-
-
 @pytest.mark.parametrize("name", ["mlp", "bn_cnn", "lstm12"])
 def test_node_trains_as_python_does(ran, name):
-    folder, cases = ran
-    batches = cases[name][2]
-    want_losses, want = python_run(folder, name, batches)
+    folder, _ = ran
+    want_losses, want = train_job(folder, name)
     got = json.loads((folder / f"{name}.js_result.json").read_text())
     np.testing.assert_allclose(got["losses"], want_losses, rtol=1e-5)
     checkpoint = state.read(folder / f"{name}.js_checkpoint.safetensors")          # Python reads JS's file
@@ -106,7 +98,7 @@ def test_the_exported_model_is_the_trained_inference_model(ran, name):
 def test_a_checkpoint_goes_python_to_js_and_back(ran):
     folder, cases = ran
     _, _, batches, session = cases["mlp"]
-    want_losses, _ = python_run(folder, "mlp", batches)
+    want_losses, _ = train_job(folder, "mlp")
     resumed = json.loads((folder / "mlp.js_resumed.json").read_text())["losses"]
     np.testing.assert_allclose(resumed, want_losses[2:], rtol=1e-5)          # Python 2 steps, then JS 3
     s = session()                                                             # and JS 5 steps, then Python
@@ -122,8 +114,8 @@ def test_a_checkpoint_goes_python_to_js_and_back(ran):
 
 def test_the_checks_can_fail(ran):
     # a checkpoint of another step is told apart: the comparison above is not vacuous
-    folder, cases = ran
-    _, want = python_run(folder, "mlp", cases["mlp"][2][:4])
+    folder, _ = ran
+    _, want = train_job(folder, "mlp", steps=4)
     checkpoint = state.read(folder / "mlp.js_checkpoint.safetensors")
     params = checkpoint.training["params"]
     assert any(not np.allclose(checkpoint.tensors[p], want[p], rtol=1e-4, atol=1e-6) for p in params)

@@ -14,6 +14,21 @@ export const ITEM_SIZE = Object.freeze({
   F64: 8, F32: 4, F16: 2, BF16: 2, I64: 8, I32: 4, I16: 2, I8: 1, U64: 8, U32: 4, U16: 2, U8: 1, BOOL: 1,
 });
 
+/** The typed array holding each safetensors dtype (float16 and bfloat16 as their raw 16 bits). */
+export const ARRAYS = Object.freeze({
+  F64: Float64Array, F32: Float32Array, F16: Uint16Array, BF16: Uint16Array, I64: BigInt64Array, I32: Int32Array,
+  I16: Int16Array, I8: Int8Array, U64: BigUint64Array, U32: Uint32Array, U16: Uint16Array, U8: Uint8Array,
+  BOOL: Uint8Array,
+});
+
+/**
+ * An entry's values as a typed array of its dtype (a copy, aligned: the file's bytes need not be).
+ * @param {Entry} entry
+ */
+export function arrayOf(entry) {
+  return new ARRAYS[entry.dtype](entry.bytes.slice().buffer);
+}
+
 /** A safetensors file that cannot be read: names the file's problem. */
 export class SafetensorsError extends Error {
   /** @param {string} message */

@@ -2,6 +2,7 @@
 // onnxruntime-common API: onnxruntime-web (wasm, WebGPU) and onnxruntime-node. The caller passes its ort module.
 import { ELEM_TYPES, readModel, withInitializers } from './onnx.js';
 import { compileSchedule } from './schedule.js';
+import { arrayOf } from './safetensors.js';
 import { readState, writeState } from './state.js';
 
 /** @typedef {import('onnxruntime-common').Tensor} Tensor */
@@ -35,12 +36,6 @@ const TYPED = Object.freeze({
   float32: Float32Array, float64: Float64Array, int32: Int32Array, int64: BigInt64Array, uint8: Uint8Array,
   int8: Int8Array, bool: Uint8Array, float16: Uint16Array,
 });
-
-/** @param {string} type @param {Uint8Array} bytes a copy of the bytes as that type's typed array */
-function typedArray(type, bytes) {
-  const Kind = TYPED[/** @type {keyof typeof TYPED} */ (type)];
-  return new Kind(bytes.slice().buffer);
-}
 
 /** @param {ArrayBufferView} data */
 function bytesOf(data) {
@@ -182,14 +177,14 @@ export class TrainingSession {
       if (!fileType || (type && type !== fileType)) {
         throw new TrainingError(`state tensor '${name}' is ${entry.dtype}; the training model reads ${type}`);
       }
-      this.#state.set(name, new this.#ort.Tensor(/** @type {any} */ (fileType), typedArray(fileType, entry.bytes),
+      this.#state.set(name, new this.#ort.Tensor(/** @type {any} */ (fileType), arrayOf(entry),
         entry.shape));
     }
     const lr = tensors.get(spec.lr);
     const step = tensors.get(spec.step);
     if (!lr || !step) throw new TrainingError(`the state file lacks '${spec.lr}' or '${spec.step}'`);
-    this.lr = Number(typedArray('float32', lr.bytes)[0]);
-    this.stepCount = Number(typedArray(step.dtype === 'I64' ? 'int64' : 'int32', step.bytes)[0]) - 1;
+    this.lr = Number(arrayOf(lr)[0]);
+    this.stepCount = Number(arrayOf(step)[0]) - 1;
     this.#metadata = { ...metadata };
     delete this.#metadata.session;         // a Python session's counters: not true once this one has stepped
   }

@@ -8,7 +8,7 @@ import { test } from 'node:test';
 
 import * as ort from 'onnxruntime-node';
 
-import { NonFiniteError, readSafetensors, readState, StateError, TrainingError, TrainingSession, writeSafetensors,
+import { arrayOf, NonFiniteError, readSafetensors, readState, StateError, TrainingError, TrainingSession, writeSafetensors,
   writeState } from '../src/index.js';
 
 const FIXTURES = process.env.ONNXGRAD_JS_FIXTURES;
@@ -27,8 +27,7 @@ function batch(name, k) {
   for (const [key, e] of tensors) {
     const [index, input] = key.split('/');
     if (Number(index) !== k) continue;
-    const Kind = { F32: Float32Array, I64: BigInt64Array, I32: Int32Array, F64: Float64Array }[/** @type {'F32'} */ (e.dtype)];
-    out[input] = { data: new Kind(e.bytes.slice().buffer), dims: e.shape };
+    out[input] = { data: arrayOf(e), dims: e.shape };
   }
   return out;
 }

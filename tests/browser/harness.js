@@ -1,6 +1,6 @@
 // What tests/test_browser.py runs in Chromium: the JavaScript session on onnxruntime-web, on artifacts the test
 // serves under /fx/ (<name>.train.onnx ... and <name>.batches.safetensors: tensors "k/input").
-import { readSafetensors, TrainingSession } from '/js/src/index.js';
+import { arrayOf, readSafetensors, TrainingSession } from '/js/src/index.js';
 
 const DIST = '/js/node_modules/onnxruntime-web/dist/';
 
@@ -26,10 +26,23 @@ function batch(tensors, k) {
   for (const [key, e] of tensors) {
     const [index, input] = key.split('/');
     if (Number(index) !== k) continue;
-    const Kind = { F32: Float32Array, I64: BigInt64Array, I32: Int32Array }[/** @type {'F32'} */ (e.dtype)];
-    out[input] = { data: new Kind(e.bytes.slice().buffer), dims: e.shape };
+    out[input] = { data: arrayOf(e), dims: e.shape };
   }
   return out;
+}
+
+/**
+ * A session of fixture ``name`` (its train, eval and state files, and its schedule model unless ``schedule`` is
+ * false) on ``ep``, with the fixture's batches.
+ * @param {any} ort @param {{name: string, ep: string, schedule?: boolean}} cfg
+ */
+async function open(ort, { name, ep, schedule = true }) {
+  const fx = `/fx/${name}`;
+  const session = await TrainingSession.create(ort, {
+    train: await bytes(`${fx}.train.onnx`), state: await bytes(`${fx}.state.safetensors`),
+    eval: await bytes(`${fx}.eval.onnx`), schedule: schedule ? await bytes(`${fx}.schedule.onnx`) : undefined,
+  }, { executionProvider: ep });
+  return { session, tensors: readSafetensors(await bytes(`${fx}.batches.safetensors`)).tensors };
 }
 
 /** @param {Uint8Array} b */
@@ -45,13 +58,7 @@ function base64(b) {
  * @param {{bundle: string, ep: string, name: string, steps: number, schedule: boolean}} cfg
  */
 window.train = async ({ bundle, ep, name, steps, schedule }) => {
-  const ort = await ortOf(bundle);
-  const fx = `/fx/${name}`;
-  const session = await TrainingSession.create(ort, {
-    train: await bytes(`${fx}.train.onnx`), state: await bytes(`${fx}.state.safetensors`),
-    eval: await bytes(`${fx}.eval.onnx`), schedule: schedule ? await bytes(`${fx}.schedule.onnx`) : undefined,
-  }, { executionProvider: ep });
-  const { tensors } = readSafetensors(await bytes(`${fx}.batches.safetensors`));
+  const { session, tensors } = await open(await ortOf(bundle), { name, ep, schedule });
   const losses = [];
   const ms = [];
   for (let k = 0; k < steps; k++) {
@@ -97,12 +104,7 @@ window.leak = async ({ bundle, name, steps }) => {
     if (this.location === 'gpu-buffer') disposed += 1;
     return dispose.call(this);
   };
-  const fx = `/fx/${name}`;
-  const session = await TrainingSession.create(ort, {
-    train: await bytes(`${fx}.train.onnx`), state: await bytes(`${fx}.state.safetensors`),
-    schedule: await bytes(`${fx}.schedule.onnx`),
-  }, { executionProvider: 'webgpu' });
-  const { tensors } = readSafetensors(await bytes(`${fx}.batches.safetensors`));
+  const { session, tensors } = await open(ort, { name, ep: 'webgpu' });
   const spec = session.spec;
   const held = Object.keys(spec.params).length + Object.values(spec.buffers ?? {}).length
     + Object.values(spec.state ?? {}).reduce((n, s) => n + Object.keys(s).length, 0);
@@ -120,13 +122,7 @@ window.leak = async ({ bundle, name, steps }) => {
  * @param {{bundle: string, ep: string, name: string}} cfg
  */
 window.nanStep = async ({ bundle, ep, name }) => {
-  const ort = await ortOf(bundle);
-  const fx = `/fx/${name}`;
-  const session = await TrainingSession.create(ort, {
-    train: await bytes(`${fx}.train.onnx`), state: await bytes(`${fx}.state.safetensors`),
-    schedule: await bytes(`${fx}.schedule.onnx`),
-  }, { executionProvider: ep });
-  const { tensors } = readSafetensors(await bytes(`${fx}.batches.safetensors`));
+  const { session, tensors } = await open(await ortOf(bundle), { name, ep });
   const good = batch(tensors, 0);
   const poisoned = { ...good };
   const first = Object.keys(good).find((k) => good[k].data instanceof Float32Array);
