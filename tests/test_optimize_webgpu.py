@@ -143,6 +143,33 @@ def test_scatter_elements_at_constant_indices_as_scatter_nd(reduction):
     assert_same(m, "scatter_elements_as_nd", {"x": floats(2, 4), "u": floats(2, 3)}, "ScatterElements")
 
 
+def test_scatter_elements_at_expanded_constant_indices_as_scatter_nd():
+    # a gradient of a Gather at one index (BERT's first token): its indices a constant expanded over the updates
+    nodes = [helper.make_node("Expand", ["idx", "shape"], ["idx_all"]),
+             helper.make_node("ScatterElements", ["x", "idx_all", "u"], ["y"], axis=1)]
+    g = helper.make_graph(nodes, "scatter", [helper.make_tensor_value_info("x", F, (2, 4, 3)),
+                                             helper.make_tensor_value_info("u", F, (2, 1, 3))],
+                          [helper.make_tensor_value_info("y", F, (2, 4, 3))],
+                          [numpy_helper.from_array(np.zeros((1, 1, 1), np.int64), "idx"),
+                           numpy_helper.from_array(np.array([2, 1, 3], np.int64), "shape")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
+    assert_same(m, "scatter_elements_as_nd", {"x": floats(2, 4, 3), "u": floats(2, 1, 3)}, "ScatterElements")
+
+
+@pytest.mark.parametrize("op,first", [("Equal", False), ("Less", True)])
+def test_unsqueezed_comparison_compares_the_unsqueezed_operand(op, first):
+    # an embedding's padding mask: Unsqueeze(Equal(ids, 0)) -> Equal(Unsqueeze(ids), 0), no boolean Unsqueeze
+    pad = numpy_helper.from_array(np.array(1, np.int64), "pad")
+    nodes = [helper.make_node(op, ["pad", "ids"] if first else ["ids", "pad"], ["hit"]),
+             helper.make_node("Unsqueeze", ["hit", "axes"], ["y"])]
+    g = helper.make_graph(nodes, "mask", [helper.make_tensor_value_info("ids", TensorProto.INT64, (2, 4))],
+                          [helper.make_tensor_value_info("y", TensorProto.BOOL, (2, 4, 1))],
+                          [pad, numpy_helper.from_array(np.array([-1], np.int64), "axes")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
+    out = assert_same(m, "compare_unsqueezed", {"ids": np.array([[0, 1, 2, 1], [1, 1, 0, 3]])}, "None")
+    assert [n.op_type for n in out.graph.node if n.op_type != "Constant"] == ["Unsqueeze", op]
+
+
 def test_finiteness_as_one_compare():
     nodes = [helper.make_node("IsNaN", ["x"], ["nan"]), helper.make_node("IsInf", ["x"], ["inf"]),
              helper.make_node("Or", ["nan", "inf"], ["either"]), helper.make_node("Not", ["either"], ["finite"])]

@@ -282,8 +282,18 @@ def _scatter_elements(view: GraphView, node: onnx.NodeProto) -> Match | None:
                                               reduction=view.attr(node, "reduction", "none")))
 
 
+def _constant_indices(view: GraphView, name: str) -> np.ndarray | None:
+    """``name``'s value when it is known when the graph is built: a constant, or a constant expanded to the
+    static shape the Expand makes (a gradient's indices broadcast over the updates)."""
+    value = view.value(name)
+    expand = view.made_by(name, "Expand") if value is None else None
+    if expand is not None and view.value(expand.input[0]) is not None and view.shape(name) is not None:
+        value = np.broadcast_to(view.value(expand.input[0]), view.shape(name))
+    return value
+
+
 def _scatter_check(view: GraphView, m: Match) -> str | None:
-    if view.value(m.indices) is None:
+    if _constant_indices(view, m.indices) is None:
         return "its indices are computed at run time"
     if view.shape(m.data) is None:
         return "its data's shape is not static"
@@ -295,7 +305,7 @@ def _scatter_check(view: GraphView, m: Match) -> str | None:
 def _scatter_as_nd(b: Builder, view: GraphView, m: Match) -> list[Var]:
     """ScatterElements(data, idx, upd, axis) = ScatterND(data, coords, upd): coords[i] is i with its ``axis``
     coordinate replaced by idx[i], computed here from the constant indices."""
-    idx = view.value(m.indices).astype(np.int64)
+    idx = _constant_indices(view, m.indices).astype(np.int64)
     rank = idx.ndim
     axis = m.axis % rank
     dim = view.shape(m.data)[axis]
@@ -306,8 +316,38 @@ def _scatter_as_nd(b: Builder, view: GraphView, m: Match) -> list[Var]:
 
 
 SCATTER_ELEMENTS_AS_ND = Rewrite("scatter_elements_as_nd", "ScatterElements", _scatter_elements, _scatter_check,
-                                 _scatter_as_nd, "ScatterElements at constant indices as ScatterND (JSEP runs "
-                                 "ScatterElements on the CPU)", forward=None)
+                                 _scatter_as_nd, "ScatterElements at constant indices (or a constant expanded) as "
+                                 "ScatterND (JSEP runs ScatterElements on the CPU)", forward=None)
+
+
+# -- a mask unsqueezed: the comparison made on the unsqueezed operand ---------------------------------------------
+_COMPARE_OPS = ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual")
+
+
+def _unsqueezed_compare(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    """Unsqueeze(cmp(a, c), axes), c a one-element constant (an embedding's padding mask)."""
+    compare = next((view.made_by(node.input[0], op) for op in _COMPARE_OPS if view.made_by(node.input[0], op)), None)
+    if compare is None or len(node.input) < 2:
+        return None
+    for k in (0, 1):
+        c = view.value(compare.input[1 - k])
+        if c is not None and c.size == 1:
+            return Match(node, [node.output[0]], dict(op=compare.op_type, a=compare.input[k], c=compare.input[1 - k],
+                                                      axes=node.input[1], constant_first=k == 1))
+    return None
+
+
+def _compare_unsqueezed(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """Unsqueeze(cmp(a, c)) = cmp(Unsqueeze(a), c) for a one-element c: the boolean Unsqueeze (on the CPU in JSEP)
+    becomes one of ``a``'s type (int32 for ids fed as such, :func:`labels_as_int32`)."""
+    a = b.op.Unsqueeze(b.var(m.a), b.var(m.axes))
+    operands = (b.var(m.c), a) if m.constant_first else (a, b.var(m.c))
+    return [b.emit(m.op, list(operands))]
+
+
+UNSQUEEZED_COMPARE = Rewrite("compare_unsqueezed", "Unsqueeze", _unsqueezed_compare, lambda view, m: None,
+                             _compare_unsqueezed, "an unsqueezed comparison with a constant as the comparison of the "
+                             "unsqueezed operand (JSEP unsqueezes booleans on the CPU)", forward=None)
 
 
 # -- a scatter-add along the first axis (an embedding's gradient) --------------------------------------------------
@@ -462,7 +502,7 @@ WEBGPU_REWRITES = (SUM_AS_ADDS, MEAN_AS_ADDS, MAX_AS_WHERE, MIN_AS_WHERE, CONCAT
                    CONV_TRANSPOSE_SYMMETRIC, CONV_EXPLICIT, CONV_TRANSPOSE_EXPLICIT, MAX_POOL_TAPS_FLOAT,
                    SOFTMAX_CROSS_ENTROPY_AS_OPS, NLL_AS_OPS,
                    SCATTER_ELEMENTS_AS_ND, ROW_SCATTER_AS_MATMUL, FINITE_AS_COMPARE, ISNAN_AS_COMPARE,
-                   AND_AS_ARITHMETIC, OR_AS_ARITHMETIC, LSTM_AS_OPS)
+                   AND_AS_ARITHMETIC, OR_AS_ARITHMETIC, LSTM_AS_OPS, UNSQUEEZED_COMPARE)
 
 
 # -- whole-graph passes -------------------------------------------------------------------------------------------
