@@ -412,6 +412,57 @@ def test_training_session_on_cpu_trains_the_rewritten_graph_like_the_canonical(m
         np.testing.assert_allclose(fast.step(feeds), canonical.step(feeds), rtol=1e-4)
 
 
+def _pointwise_conv() -> tuple[onnx.ModelProto, dict]:
+    """A 1x1 convolution (weight [6, 3, 1, 1]: a shape whose scalar broadcasts are slow on the CPU provider), then
+    a 3x3 one (weight [4, 6, 3, 3]) and a sum of squares."""
+    rng = np.random.default_rng(1)
+    w = {"pw": rng.standard_normal((6, 3, 1, 1)).astype(np.float32) * 0.5,
+         "k": rng.standard_normal((4, 6, 3, 3)).astype(np.float32) * 0.2}
+    N = helper.make_node
+    nodes = [N("Conv", ["x", "pw"], ["h"], name="pointwise"), N("Relu", ["h"], ["r"], name="relu"),
+             N("Conv", ["r", "k"], ["y"], pads=[1, 1, 1, 1], name="conv"),
+             N("ReduceSumSquare", ["y"], ["loss"], keepdims=0, name="loss")]
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 5, 5])],
+                       [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                       [numpy_helper.from_array(v, k) for k, v in w.items()])
+    return model, {"x": rng.standard_normal((2, 3, 5, 5)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("optimizer", ["AdamW", "SGD", "Adagrad"])
+def test_cpu_update_gives_a_pointwise_weights_scalars_its_rank(monkeypatch, optimizer):
+    """The cpu target's update multiplies [6, 3, 1, 1] by scalars reshaped to [1, 1, 1, 1] (a [3, 3] kernel's
+    and every canonical update's stay scalars) and steps as the canonical update does."""
+    import onnxgrad.training.artifacts
+    import onnxgrad.training.session
+    from onnxgrad import TrainingSession, optim
+
+    opt = {"AdamW": lambda: optim.AdamW(lr=0.05, weight_decay=0.1),
+           "SGD": lambda: optim.SGD(lr=0.05, momentum=0.9, weight_decay=0.1, nesterov=True),
+           "Adagrad": lambda: optim.Adagrad(lr=0.05, lr_decay=0.01)}[optimizer]
+    model, feeds = _pointwise_conv()
+    monkeypatch.setattr(onnxgrad.training.artifacts, "FOREACH_MAX_ELEMENTS", 0)   # each tensor its own update
+
+    def reshaped_scalars(s) -> set[str]:
+        """The parameters whose update reads a scalar reshaped to rank 4."""
+        graph = s.artifacts.train.graph
+        nodes = [n for n in graph.node if n.op_type != "If"] + [
+            n for g in graph.node if g.op_type == "If" for a in g.attribute if a.name == "then_branch"
+            for n in a.g.node]
+        reshaped = {n.output[0] for n in nodes if n.op_type == "Reshape" and n.name.startswith("train/optimizer/")}
+        return {n.name.split("/")[2] for n in nodes if set(n.input) & reshaped}
+
+    fast = TrainingSession(model, loss="loss", optimizer=opt(), providers=["CPUExecutionProvider"])
+    assert reshaped_scalars(fast) == {"pw"}
+    onnx.checker.check_model(fast.artifacts.train, full_check=True)
+    monkeypatch.setattr(onnxgrad.training.session, "target_for", lambda providers: None)
+    canonical = TrainingSession(model, loss="loss", optimizer=opt(), providers=["CPUExecutionProvider"])
+    assert reshaped_scalars(canonical) == set()
+    for _ in range(3):       # the backward's CPU rewrites sum the gradient in another order: not bit for bit
+        np.testing.assert_allclose(fast.step(feeds), canonical.step(feeds), rtol=1e-6)
+    for name, value in canonical.parameters().items():
+        np.testing.assert_allclose(fast.parameters()[name], value, rtol=1e-6, atol=1e-7)
+
+
 # -- the update guard for the cuda target ----------------------------------------------------------------
 def _guarded_model(else_op: str) -> onnx.ModelProto:
     """p.next = If(finite) then p - 1 else <else_op>(p): the shape of a guarded training graph's update."""

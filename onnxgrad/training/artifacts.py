@@ -51,6 +51,7 @@ from ..ir.files import HELD, copy_model, is_held, stripped
 from ..ir.load import emitted_ir_version, parse
 from ..ir.model import NameScope, TensorInfo
 from ..passes.autodiff import grad
+from ..passes.optimize.broadcast import scalars_at_rank
 from ..passes.optimize.guard import guard_as_where
 from ..passes.params import ParameterReport, parameters_of, restore_ties
 from ..passes.reach import Objective
@@ -287,7 +288,7 @@ def build(
     step_dtype = TensorProto.INT32 if target == "webgpu" else TensorProto.INT64     # WebGPU holds no int64
     art = _Builder(loss_model.proto, forward.proto, gm, loss_name, params, frozen, optimizer, clip_grad_norm,
                    int(accumulation_steps), guard, defaults, running, keep_grads, report, train_mode,
-                   step_dtype).run(split)
+                   step_dtype, target).run(split)
     if target == "cuda":        # the update's guard on the GPU: onnxruntime reads an If's condition on the host
         art.train = guard_as_where(art.train, art.spec.finite)[0]
         if art.split is not None:
@@ -344,13 +345,13 @@ def _chosen(report: ParameterReport, trainable: Sequence[str], frozen: Sequence[
 # -- the builder --------------------------------------------------------------------------------
 class _Builder:
     def __init__(self, loss_model, forward, gm, loss, params, frozen, optimizer, clip, accumulation, guard,
-                 defaults, running, keep_grads, report, train_mode, step_dtype=TensorProto.INT64):
+                 defaults, running, keep_grads, report, train_mode, step_dtype=TensorProto.INT64, target=None):
         self.loss_model, self.forward, self.gm = loss_model, forward, gm
         self.loss, self.params, self.frozen = loss, params, frozen
         self.optimizer, self.clip, self.k = optimizer, clip, accumulation
         self.guard, self.defaults = guard, defaults
         self.running, self.keep_grads, self.report, self.train_mode = running, keep_grads, report, train_mode
-        self.step_dtype = step_dtype
+        self.step_dtype, self.target = step_dtype, target
         inits = {i.name: i for i in loss_model.graph.initializer}
         self.initial = {p: numpy_helper.to_array(inits[p]) for p in params}
         self.initial_buffers = {r: numpy_helper.to_array(inits[r]) for r in running}
@@ -660,6 +661,8 @@ class _Builder:
         updated.append((next_step, step, f"{step.name}.next", self.step_dtype, (),
                         f"'{step.name}' for the next update: one more when this update was applied"))
         new_values = [u[0] for u in updated]
+        if self.target == "cpu":
+            scalars_at_rank(ob, first)
         if self.guard:
             new_values = _guarded(ob, first, finite, [(u[0], u[1], u[3], u[4]) for u in updated])
         for value, (_, _, name, dtype, shape, doc) in zip(new_values, updated):
