@@ -516,15 +516,26 @@ class Builder:
     def name_as(self, value: Var, name: str) -> Var:
         """Make ``value`` available as the tensor ``name``: rename it on the node of this builder that made
         it (and on its readers here), so no copy is made; an Identity when no node here made it."""
-        if value.name in self.constant_names or value.name not in self.made:
-            self.nodes.append(helper.make_node("Identity", [value.name], [name],
-                                               name=self.names.fresh(f"{name}/Identity"), doc_string=self.doc))
-        else:
-            rename_tensors(self.nodes, {value.name: name})
-        self.made.add(name)
-        self.infos[name] = self.infos.get(value.name, TensorInfo())
-        value.name = name
+        self.name_all([(value, name)])
         return value
+
+    def name_all(self, pairs: Sequence[tuple[Var, str]]) -> None:
+        """:meth:`name_as` for each (value, name) pair, renaming in one sweep over the nodes (a training graph
+        names hundreds of outputs); a value named twice is renamed once and copied by an Identity after."""
+        renames: dict[str, str] = {}
+        for value, name in pairs:
+            old = value.name
+            source = renames.get(old)
+            if source is None and old not in self.constant_names and old in self.made:
+                renames[old] = name
+            else:
+                self.nodes.append(helper.make_node("Identity", [source or old], [name],
+                                                   name=self.names.fresh(f"{name}/Identity"), doc_string=self.doc))
+            self.made.add(name)
+            self.infos[name] = self.infos.get(old, TensorInfo())
+        rename_tensors(self.nodes, renames)
+        for value, name in pairs:
+            value.name = name
 
     def reshape_like(self, x: Var, like: Var) -> Var:
         """Reshape x to like's shape: a constant shape when static (zeros when like is empty), else

@@ -32,6 +32,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -763,7 +764,7 @@ def _decide_by_value(init: onnx.TensorProto) -> Parameter:
     name = init.name
     if _BUFFER_NAMES.search(name):
         return Parameter(name, False, "named like a PyTorch buffer")
-    if np.prod(init.dims) > _VALUE_CHECK_LIMIT and not _GENERATED.match(name):
+    if math.prod(init.dims) > _VALUE_CHECK_LIMIT and not _GENERATED.match(name):
         # reading a weight this large copies it; masks and exporter constants are not this large under a
         # module path's name
         return Parameter(name, True, "float initializer with a differentiable path (no exporter metadata)")
@@ -821,8 +822,8 @@ def _tie_by_value(out: list[Parameter], values: Mapping[str, onnx.TensorProto]) 
     is that one's copy (the TorchScript exporter folds a tied LM head as the embedding's transpose under a
     generated name): it is computed from the other, named one, so the tie holds. Only generated-name
     tensors and the tensors of their sizes are read."""
-    candidates = [k for k, p in enumerate(out) if p.trainable and np.prod(values[p.name].dims) >= 2]
-    size = {k: int(np.prod(values[out[k].name].dims)) for k in candidates}
+    size = {k: math.prod(values[p.name].dims) for k, p in enumerate(out) if p.trainable}
+    candidates = [k for k in size if size[k] >= 2]
     # the copies an exporter makes have generated names; a named tensor is read only as the holder of one
     copy_sizes = {size[k] for k in candidates if out[k].torch_name is None and _GENERATED.match(out[k].name)}
     candidates = [k for k in candidates if size[k] in copy_sizes]

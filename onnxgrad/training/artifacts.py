@@ -37,6 +37,7 @@ import json
 import os
 import warnings
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
@@ -776,12 +777,10 @@ class _Emitter:
         """Name the outputs (renaming their producers where we can, so no copy is made), add everything to
         ``m``; returns {base name: output name}."""
         g, b = m.graph, self.b
-        final: dict[str, str] = {}
-        for value, base, dtype, shape, doc in self.outputs:
-            name = self.names.fresh(base)
-            b.name_as(value, name)
-            final[base] = name
-            vi = helper.make_tensor_value_info(name, dtype, list(shape))
+        final = {base: self.names.fresh(base) for _, base, _, _, _ in self.outputs}
+        b.name_all([(value, final[base]) for value, base, _, _, _ in self.outputs])
+        for _, base, dtype, shape, doc in self.outputs:
+            vi = helper.make_tensor_value_info(final[base], dtype, list(shape))
             vi.doc_string = doc
             g.output.append(vi)
         g.input.extend(self.inputs)
@@ -847,7 +846,7 @@ def in_place(model: onnx.ModelProto, pairs: dict[str, str], finite: str) -> set[
         return set()
     main = _Nodes(model.graph.node, pairs)
     upstream = {id(n) for n in G.live(main.nodes, [finite])[1]}
-    branches: dict[int, _Nodes] = {}
+    branches: dict[int, tuple[_Nodes, dict[str, onnx.NodeProto]]] = {}   # If -> then's nodes, else's producers
     safe = set()
     for inp, out in pairs.items():
         node = main.producer.get(out)
@@ -855,12 +854,13 @@ def in_place(model: onnx.ModelProto, pairs: dict[str, str], finite: str) -> set[
             continue
         if node.op_type == "If" and list(node.input) == [finite]:
             graphs = {a.name: a.g for a in node.attribute}
-            then = branches.get(id(node))
-            if then is None:
-                then = branches[id(node)] = _Nodes(graphs["then_branch"].node, pairs)
+            if id(node) not in branches:
+                branches[id(node)] = (_Nodes(graphs["then_branch"].node, pairs),
+                                      {o: n for n in graphs["else_branch"].node for o in n.output})
+            then, otherwise = branches[id(node)]
             k = list(node.output).index(out)
             if (then.written_last(graphs["then_branch"].output[k].name, inp)
-                    and _returns(graphs["else_branch"], k, inp)
+                    and _returns(graphs["else_branch"], otherwise, k, inp)
                     and all(id(r) in upstream or r is node for r in main.readers.get(inp, ()))):
                 safe.add(inp)
         elif main.written_last(out, inp, finite, upstream):
@@ -875,6 +875,7 @@ class _Nodes:
         self.nodes = list(nodes)            # one wrapper per node, alive while their ids are compared
         self.producer = {o: n for n in self.nodes for o in n.output if o}
         self.readers: dict[str, list[onnx.NodeProto]] = {}
+        self._memo: dict[int, frozenset[int]] = {}      # :meth:`_ancestors` of the nodes many read
         wanted = set(names)
         for n in self.nodes:
             if n.op_type in _METADATA and n.domain in ("", "ai.onnx"):
@@ -893,21 +894,58 @@ class _Nodes:
             return False
         if inp in node.input and node.op_type not in _ELEMENTWISE:
             return False
-        local, guarded, todo = {id(node)}, finite is None, [node]
-        while todo:                     # the producer's ancestors here, short of the upstream ones
+        unseen = {id(r) for r in self.readers.get(inp, ()) if id(r) not in upstream} - {id(node)}
+        if finite is None and not upstream:
+            return not unseen - self._ancestors(node)
+        seen, guarded, todo = {id(node)}, finite is None, [node]
+        while todo and (unseen or not guarded):   # the producer's ancestors here, short of the upstream ones
             n = todo.pop()
             for x in n.input:
                 guarded |= x == finite
                 p = self.producer.get(x)
-                if p is not None and id(p) not in upstream and id(p) not in local:
-                    local.add(id(p))
+                if p is not None and id(p) not in upstream and id(p) not in seen:
+                    seen.add(id(p))
+                    unseen.discard(id(p))
                     todo.append(p)
-        return guarded and all(id(r) in upstream or id(r) in local for r in self.readers.get(inp, ()))
+        return guarded and not unseen
+
+    def _ancestors(self, node: onnx.NodeProto) -> frozenset[int]:
+        """The ids of ``node`` and the nodes here it depends on. Kept for the nodes that many read (the split
+        of parameters updated together, shared scalars), so the outputs after them are not walked again."""
+        found = self._memo.get(id(node))
+        if found is not None:
+            return found
+        seen, todo = {id(node)}, [node]
+        while todo:
+            n = todo.pop()
+            for x in n.input:
+                p = self.producer.get(x)
+                if p is None or id(p) in seen:
+                    continue
+                if len(self.consumers.get(id(p), ())) > 1:
+                    seen |= self._ancestors(p)
+                else:
+                    seen.add(id(p))
+                    todo.append(p)
+        found = frozenset(seen)
+        if len(self.consumers.get(id(node), ())) > 1:
+            self._memo[id(node)] = found
+        return found
+
+    @cached_property
+    def consumers(self) -> dict[int, list[onnx.NodeProto]]:
+        """The nodes reading each node's outputs, by the producer's id."""
+        out: dict[int, list[onnx.NodeProto]] = {}
+        for n in self.nodes:
+            for x in n.input:
+                p = self.producer.get(x)
+                if p is not None:
+                    out.setdefault(id(p), []).append(n)
+        return out
 
 
-def _returns(g: onnx.GraphProto, k: int, inp: str) -> bool:
-    """Whether graph ``g``'s output ``k`` is ``inp`` itself (through an Identity)."""
-    made = {o: n for n in g.node for o in n.output}
+def _returns(g: onnx.GraphProto, made: dict[str, onnx.NodeProto], k: int, inp: str) -> bool:
+    """Whether graph ``g``'s output ``k`` is ``inp`` itself (through an Identity); ``made``: g's producers."""
     n = made.get(g.output[k].name)
     return g.output[k].name == inp or (n is not None and n.op_type == "Identity" and list(n.input) == [inp])
 

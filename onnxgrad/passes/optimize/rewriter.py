@@ -41,13 +41,31 @@ class GraphView:
 
     def _refresh(self) -> None:
         g = self.model.graph
-        self.producer = {o: node for node in self.nodes for o in node.output if o}
+        self.producer = {}
         self.readers: dict[str, list[onnx.NodeProto]] = {}
-        for node in self.nodes:
-            for i in set(node.input) | M.subgraph_inputs(node):
-                if i:
-                    self.readers.setdefault(i, []).append(node)
+        self._index(self.nodes)
         self.outputs = {o.name for o in g.output}
+
+    def _index(self, nodes: Sequence[onnx.NodeProto]) -> None:
+        """Record ``nodes`` as the producers of their outputs and readers of their inputs."""
+        for node in nodes:
+            for o in node.output:
+                if o:
+                    self.producer[o] = node
+            for i in _read(node):
+                self.readers.setdefault(i, []).append(node)
+
+    def _forget(self, node: onnx.NodeProto, outputs: Sequence[str]) -> None:
+        """Forget ``node`` as a reader of its inputs and as the producer of ``outputs``."""
+        for i in _read(node):
+            left = [r for r in self.readers[i] if r is not node]
+            if left:
+                self.readers[i] = left
+            else:
+                del self.readers[i]
+        for o in outputs:
+            if o and self.producer.get(o) is node:
+                del self.producer[o]
 
     # -- facts -------------------------------------------------------------------------------
     def info(self, name: str) -> TensorInfo:
@@ -215,12 +233,22 @@ def _replace(view: GraphView, names: NameScope, rw: Rewrite, match: Match) -> No
         del root.output[:]
         root.output.extend(o if o in keep else "" for o in root_outputs)
         at += 1
+        view._forget(root, [o for o in root_outputs if o not in keep])
+        view._index([root])
     else:
         view.removed[id(root)] = nodes.pop(at)
+        view._forget(root, root_outputs)
     if in_forward:                      # the replacement is the forward's
         view.forward.update(id(n) for n in b.nodes)
     nodes[at:at] = b.nodes
-    view._refresh()
+    view._index(b.nodes)
+
+
+def _read(node: onnx.NodeProto) -> set[str]:
+    """The tensors ``node`` reads, its subgraphs' outer-scope reads included."""
+    read = set(node.input) | (M.subgraph_inputs(node) if M.has_subgraph(node) else set())
+    read.discard("")
+    return read
 
 
 def _sweep(view: GraphView, targets: set[str], dead_before: set[int], read_before: set[str]) -> None:
