@@ -1,11 +1,14 @@
-"""torchvision's MobileNetV2, MobileNetV3-Large, EfficientNet-B0 and ResNet-18 (bench/vision_models.py: the same
-networks in plain torch) trained in train mode with AdamW through onnxgrad.from_torch against PyTorch eager on the
-same machine (64x64 images, batch 4, 1000 classes), one framework per process (alternating processes: in one
-process the two frameworks' thread pools slow each other, PyTorch's most); the session's build time; and
-onnxruntime's profile of onnxgrad's step by op type (issue 33: the depthwise families). Needs torch
-(pip install ".[cpu,torch]").
+"""The model families people train, through onnxgrad.from_torch, against PyTorch eager: torchvision's
+MobileNetV2, MobileNetV3-Large, EfficientNet-B0 and ResNet-18 (64x64 images, batch 4, 1000 classes), transformers'
+BERT (4 layers, d256, sequences of 128, batch 8) and GPT-2 (4 layers, d256, 128 positions, batch 4, its 50257-token
+vocabulary) (bench/torch_models.py), trained in train mode with AdamW and cross-entropy. One framework per process
+(alternating processes: in one process the two frameworks' thread pools slow each other, PyTorch's most); the
+export's and the session's build times; and onnxruntime's profile of onnxgrad's step by op type. Needs torch and
+transformers (pip install ".[cpu,torch]" transformers).
 
-    python bench/bench_depthwise.py [MODEL ...] [--reps 10] [--rounds 2] [--profile]
+    python bench/bench_families.py [MODEL ...] [--reps 10] [--rounds 2] [--profile]
+    python bench/bench_families.py --json bench/results/families_DATE.json     # the published figures
+    python bench/bench_families.py --against bench/results/families_DATE.json  # a later run against them
 """
 from __future__ import annotations
 
@@ -22,17 +25,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
 import bench_step as B  # noqa: E402
-import vision_models  # noqa: E402
+import published  # noqa: E402
+import torch_models  # noqa: E402
 
 
 def run(name: str, framework: str, reps: int, profile: bool) -> dict:
     """Time ``reps`` steps of one framework in this process (after 3 warm-up steps)."""
     import torch
 
-    torch.manual_seed(0)
     torch.set_num_threads(B.THREADS)
-    net = vision_models.MODELS[name]()
-    x, y = torch.randn(4, 3, 64, 64), torch.randint(0, 1000, (4,))
+    net, inputs, y = torch_models.example(name)
     if framework == "torch":
         net.train()
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -40,7 +42,7 @@ def run(name: str, framework: str, reps: int, profile: bool) -> dict:
 
         def step():
             opt.zero_grad()
-            loss_fn(net(x), y).backward()
+            loss_fn(net(*inputs), y).backward()
             opt.step()
         build = export = 0.0
     else:
@@ -49,14 +51,14 @@ def run(name: str, framework: str, reps: int, profile: bool) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             t0 = time.perf_counter()
-            model = from_torch(net, (x,))
+            model = from_torch(net, inputs)
             export = time.perf_counter() - t0
-        so = B.session_options("/tmp/bench_depthwise" if profile else None)
+        so = B.session_options("/tmp/bench_families" if profile else None)
         t0 = time.perf_counter()
         s = TrainingSession(model, loss=losses.CrossEntropyLoss(output=model.graph.output[0].name, target="t"),
                             optimizer=optim.AdamW(lr=1e-3), providers=["CPUExecutionProvider"], session_options=so)
         build = time.perf_counter() - t0
-        feeds = {model.graph.input[0].name: x.numpy(), "t": y.numpy()}
+        feeds = {i.name: x.numpy() for i, x in zip(model.graph.input, inputs)} | {"t": y.numpy()}
 
         def step():
             s.step(feeds)
@@ -73,15 +75,25 @@ def run(name: str, framework: str, reps: int, profile: bool) -> dict:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("models", nargs="*", choices=[[]] + list(vision_models.MODELS), default=[],
-                    help="default: all four")
+    ap.add_argument("models", nargs="*", metavar="MODEL", help=f"of {', '.join(torch_models.MODELS)} (default: all)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2, help="processes per framework, alternating")
     ap.add_argument("--profile", action="store_true", help="also print onnxruntime's profile of the step")
-    ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures, and the run's date, machine and commit")
+    ap.add_argument("--against", metavar="PATH", help="compare this run's onnxgrad / eager ratios with a published "
+                    f"--json file, one line per model, a ratio worse by more than --tolerance flagged {published.FLAG}")
+    ap.add_argument("--tolerance", type=float, default=published.DEFAULT_TOLERANCE, metavar="FRACTION",
+                    help="relative rise of a ratio flagged as a regression (default %(default)s)")
     ap.add_argument("--framework", choices=["onnxgrad", "torch"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    names = args.models or list(vision_models.MODELS)
+    names = args.models or list(torch_models.MODELS)
+    unknown = [n for n in names if n not in torch_models.MODELS]
+    if unknown:
+        ap.error(f"unknown model {', '.join(unknown)} (models: {', '.join(torch_models.MODELS)})")
+    try:
+        before = published.load(args.against) if args.against else None     # a wrong file fails before the run
+    except (OSError, ValueError) as e:
+        ap.error(f"--against: {e}")
     if args.framework:
         print(json.dumps(run(names[0], args.framework, args.reps, args.profile)))
         return 0
@@ -89,7 +101,7 @@ def main(argv: list[str]) -> int:
     # its blocking default suits one process running both, where spinning threads stall the other side)
     spin = os.environ.get("BENCH_SPIN", "1")
     env = {**os.environ, "BENCH_SPIN": spin, "OMP_WAIT_POLICY": "ACTIVE" if spin == "1" else "PASSIVE"}
-    print(f"64x64 images, batch 4, 1000 classes, train mode, AdamW, {B.THREADS} threads, spinning "
+    print(f"train mode, AdamW, cross-entropy, {B.THREADS} threads, spinning "
           f"{env['BENCH_SPIN'] == '1'}; median of {args.rounds} processes per framework, each the median of "
           f"{args.reps} steps (ms)")
     print(f"{'model':20s} {'onnxgrad':>9s} {'eager':>9s} {'ratio':>6s} {'export s':>9s} {'session s':>10s}")
@@ -109,9 +121,17 @@ def main(argv: list[str]) -> int:
         table[name] = row
         print(f"{name:20s} {row['onnxgrad_ms']:9.1f} {row['eager_ms']:9.1f} {row['ratio']:6.2f} "
               f"{row['export_s']:9.2f} {row['session_s']:10.2f}", flush=True)
+    measured = published.run_info(threads=B.THREADS, rounds=args.rounds, reps=args.reps, models=table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": B.THREADS, "rounds": args.rounds, "reps": args.reps, "models": table}, f, indent=1)
+            json.dump(measured, f, indent=1)
+    if before is not None:
+        print()
+        for difference in published.setup_differences(measured, before):
+            print(f"note: published on another setup ({difference}): the ratios move with it")
+        for line in published.report(published.compare(table, before["models"], ["ratio"]), args.tolerance,
+                                     f"{args.against} ({published.describe(before)})"):
+            print(line)
     if args.profile:
         for name in names:
             run(name, "onnxgrad", args.reps, True)

@@ -64,6 +64,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "ACTIVE" if SPIN else "PASSIVE")
 
 import numpy as np
 import onnx
+import published
 from onnx import TensorProto, helper, numpy_helper
 
 OPSET = 20     # torch.onnx.export's default (torch 2.13), as a new user exports
@@ -622,6 +623,55 @@ def print_profile(path: str, title: str, reps: int, top: int = 15) -> None:
         print(f"  {node[:70]:<70} {op:<20} {ms:8.3f} ms")
 
 
+# -- the figures a run publishes, and the comparison with the published ones ----------------------------
+RATIOS = ("step/eager", "step/compile", "step/forward", "memory/eager")
+COLUMNS = {"forward": "forward", "gradient": "gradient", "step": "step", "torch": "eager",
+           "torch_gradient": "eager_gradient", "compile": "compile", "recompute": "recompute"}
+
+
+def figures(r: dict) -> dict:
+    """One model's measurement as published: median and min in ms per column, the build times, the same-run
+    ratios of ``RATIOS`` (those measured), and with ``--memory`` bench_memory.py's figures per framework."""
+    ms, lo = r["ms"], r["min"]
+    out: dict[str, Any] = {"build_artifacts_s": r["build_artifacts_s"], "session_s": r["session_s"]}
+    for key, column in COLUMNS.items():
+        if key in ms:
+            out[f"{column}_ms"], out[f"{column}_min_ms"] = ms[key], lo[key]
+    out["step/forward"] = ms["step"] / ms["forward"]
+    for column in ("eager", "compile"):
+        if f"{column}_ms" in out:
+            out[f"step/{column}"] = out["step_ms"] / out[f"{column}_ms"]
+    if "memory" in r:
+        out["memory"] = r["memory"]
+        ours, eager = (r["memory"].get(fw, {}).get("peak_mb") for fw in ("onnxgrad", "torch"))
+        if ours and eager:
+            out["memory/eager"] = ours / eager
+    return out
+
+
+def run_info(args: argparse.Namespace, have_torch: bool) -> dict:
+    """The run beside its figures: date, machine, cores, commit, and how it was measured."""
+    import onnxruntime as ort
+
+    torch_version = None
+    if have_torch:
+        import torch
+
+        torch_version = torch.__version__
+    return published.run_info(threads=THREADS, spinning=SPIN, reps=args.reps, warmup=args.warmup,
+                              onnxruntime=ort.__version__, torch=torch_version)
+
+
+def print_against(measured: dict, before: dict, path: str, tolerance: float) -> None:
+    """This run's ratios against the published ``before`` (read from ``path``), a regression flagged."""
+    print()
+    for difference in published.setup_differences(measured, before):
+        print(f"note: published on another setup ({difference}): the ratios move with it")
+    comparisons = published.compare(measured["models"], before["models"], RATIOS)
+    for line in published.report(comparisons, tolerance, f"{path} ({published.describe(before)})"):
+        print(line)
+
+
 def main(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("models", nargs="*", default=list(MODELS), metavar="MODEL",
@@ -635,11 +685,26 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--recompute", action="store_true",
                     help="also time the step of a TrainingSession(recompute=True), interleaved with the others")
     ap.add_argument("--profile", metavar="MODEL", choices=list(BUILDERS))
-    ap.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    ap.add_argument("--json", metavar="PATH",
+                    help="also write what the run measured (per model: ms, minima, ratios, memory) and the run's "
+                         "date, machine, cores, threads, versions and commit as JSON: the file --against reads")
+    ap.add_argument("--against", metavar="PATH",
+                    help="after the table, compare this run's ratios (step/eager, step/compile, step/forward, "
+                         "memory/eager) with those of a published --json file, one line per model, a ratio "
+                         f"worse by more than --tolerance flagged {published.FLAG}; the exit status stays 0")
+    ap.add_argument("--tolerance", type=float, default=published.DEFAULT_TOLERANCE, metavar="FRACTION",
+                    help="relative rise of a ratio flagged as a regression (default %(default)s: 15%%). Ratios, "
+                         "not milliseconds: on a shared virtual machine one day's milliseconds differ from "
+                         "another's by more than a regression, while the two sides of a ratio, measured "
+                         "interleaved in one run, slow down together: the machine's speed cancels")
     args = ap.parse_args(argv)
     if args.profile:
         profile(args.profile, args.reps)
         return
+    try:
+        before = published.load(args.against) if args.against else None     # a wrong file fails before the run
+    except (OSError, ValueError) as e:
+        ap.error(f"--against: {e}")
     try:
         import torch  # noqa: F401
         have_torch = not args.no_torch
@@ -691,9 +756,12 @@ def main(argv: list[str]) -> None:
                       f"20-step loop {m['loop_mb']:.1f}){ratio}"
                       + ("" if m["peak_reset"] else " (peaks not reset between phases)"), flush=True)
         results.append(r)
+    measured = {**run_info(args, have_torch), "models": {r["model"]: figures(r) for r in results}}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(measured, f, indent=1)
+    if before is not None:
+        print_against(measured, before, args.against, args.tolerance)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""torchvision's MobileNetV2, MobileNetV3-Large, EfficientNet-B0 and ResNet-18, written in plain torch.
+"""The PyTorch models of bench_families.py: torchvision's MobileNetV2, MobileNetV3-Large, EfficientNet-B0 and
+ResNet-18, written in plain torch, and transformers' BERT and GPT-2 from configs (random weights).
 
 torchvision's wheel does not import beside this machine's CPU torch, and timm needs torchvision, so the
 benchmarks build the same networks here: the same layer configurations, channel counts, activations
@@ -6,9 +7,13 @@ benchmarks build the same networks here: the same layer configurations, channel 
 ``mobilenet_v2``, ``mobilenet_v3_large``, ``efficientnet_b0`` and ``resnet18`` (random weights, 1000
 classes). Left out: EfficientNet's stochastic depth (``StochasticDepth`` is identity at rate 0, which is what
 this module uses); the classifiers' Dropout is kept, as in training.
+
+:func:`example` gives each model with a batch: the module (its output: logits [N, classes]), its inputs and the
+class targets.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 
@@ -120,5 +125,48 @@ def resnet18(classes: int = 1000) -> nn.Module:
     return _Classifier(nn.Sequential(*layers), nn.Linear(512, classes))
 
 
-MODELS = {"mobilenet_v2": mobilenet_v2, "mobilenet_v3_large": mobilenet_v3_large,
+class _Logits(nn.Module):
+    """A transformers model's logits, [N, classes] (a language model's flattened over the positions)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        logits = self.model(input_ids=ids).logits
+        return logits.reshape(-1, logits.shape[-1])
+
+
+def bert() -> nn.Module:
+    """BERT for sequence classification: 4 layers, hidden 256, 4 heads, 2 classes (BERT's vocabulary)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024,
+                        num_labels=2)
+    return _Logits(BertForSequenceClassification(config))
+
+
+def gpt2() -> nn.Module:
+    """GPT-2 as a language model: 4 layers, width 256, 4 heads, 128 positions, GPT-2's 50257-token vocabulary."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=4, n_embd=256, n_head=4, n_positions=128)
+    return _Logits(GPT2LMHeadModel(config))
+
+
+VISION = {"mobilenet_v2": mobilenet_v2, "mobilenet_v3_large": mobilenet_v3_large,
           "efficientnet_b0": efficientnet_b0, "resnet18": resnet18}
+TEXT = {"bert": (bert, 8, 2), "gpt2": (gpt2, 4, 50257)}       # model, batch, classes; sequences of 128
+MODELS = [*VISION, *TEXT]
+
+
+def example(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:
+    """Model ``name`` (random weights from seed 0) with a batch: images 3x64x64, batch 4, 1000 classes; token
+    sequences of 128 (batch 8 for BERT, 4 for GPT-2, whose targets are one per position)."""
+    torch.manual_seed(0)
+    if name in VISION:
+        return VISION[name](), (torch.randn(4, 3, 64, 64),), torch.randint(0, 1000, (4,))
+    build, batch, classes = TEXT[name]
+    ids = torch.randint(0, 1000, (batch, 128))
+    targets = torch.randint(0, classes, (batch * 128 if name == "gpt2" else batch,))
+    return build(), (ids,), targets
