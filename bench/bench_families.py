@@ -13,6 +13,7 @@ transformers (pip install ".[cpu,torch]" transformers).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -24,6 +25,7 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(HERE), HERE]
 
+import bench_memory  # noqa: E402
 import bench_step as B  # noqa: E402
 import published  # noqa: E402
 import torch_models  # noqa: E402
@@ -35,6 +37,15 @@ def run(name: str, framework: str, reps: int, profile: bool) -> dict:
 
     torch.set_num_threads(B.THREADS)
     net, inputs, y = torch_models.example(name)
+    if framework == "onnxgrad":
+        from onnxgrad import TrainingSession, from_torch, losses, optim
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            t0 = time.perf_counter()
+            model = from_torch(net, inputs)
+            export = time.perf_counter() - t0
+    base, reset = _memory_baseline()       # the model loaded (and exported): what building and training add
     if framework == "torch":
         net.train()
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -46,13 +57,6 @@ def run(name: str, framework: str, reps: int, profile: bool) -> dict:
             opt.step()
         build = export = 0.0
     else:
-        from onnxgrad import TrainingSession, from_torch, losses, optim
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            t0 = time.perf_counter()
-            model = from_torch(net, inputs)
-            export = time.perf_counter() - t0
         so = B.session_options("/tmp/bench_families" if profile else None)
         t0 = time.perf_counter()
         s = TrainingSession(model, loss=losses.CrossEntropyLoss(output=model.graph.output[0].name, target="t"),
@@ -70,7 +74,18 @@ def run(name: str, framework: str, reps: int, profile: bool) -> dict:
             times.append((time.perf_counter() - t0) * 1e3)
     if profile and framework == "onnxgrad":
         B.print_profile(s._train.end_profiling(), "onnxgrad step", reps + 3)
-    return {"median": statistics.median(times), "min": min(times), "build_s": build, "export_s": export}
+    peak = bench_memory._mb("VmHWM") - base
+    return {"median": statistics.median(times), "min": min(times), "build_s": build, "export_s": export,
+            "peak_mb": peak, "peak_reset": reset}
+
+
+def _memory_baseline() -> tuple[float, bool]:
+    """The resident MB now, after a collection and malloc_trim (bench_memory.py's baseline), and whether the
+    peak was reset to it (/proc/self/clear_refs), so that the peak read after the steps is the build's and the
+    steps' own."""
+    gc.collect()
+    bench_memory._trim()
+    return bench_memory._mb("VmRSS"), B._reset_peak()
 
 
 def main(argv: list[str]) -> int:
@@ -104,7 +119,8 @@ def main(argv: list[str]) -> int:
     print(f"train mode, AdamW, cross-entropy, {B.THREADS} threads, spinning "
           f"{env['BENCH_SPIN'] == '1'}; median of {args.rounds} processes per framework, each the median of "
           f"{args.reps} steps (ms)")
-    print(f"{'model':20s} {'onnxgrad':>9s} {'eager':>9s} {'ratio':>6s} {'export s':>9s} {'session s':>10s}")
+    print(f"{'model':20s} {'onnxgrad':>9s} {'eager':>9s} {'ratio':>6s} {'export s':>9s} {'session s':>10s} "
+          f"{'peak MB ours / eager':>21s} {'ratio':>6s}")
     table = {}
     for name in names:
         results: dict[str, list[dict]] = {"onnxgrad": [], "torch": []}
@@ -118,9 +134,15 @@ def main(argv: list[str]) -> int:
                "export_s": statistics.median(r["export_s"] for r in results["onnxgrad"]),
                "session_s": statistics.median(r["build_s"] for r in results["onnxgrad"])}
         row["ratio"] = row["onnxgrad_ms"] / row["eager_ms"]
+        row["onnxgrad_peak_mb"] = statistics.median(r["peak_mb"] for r in results["onnxgrad"])
+        row["eager_peak_mb"] = statistics.median(r["peak_mb"] for r in results["torch"])
+        row["memory/eager"] = row["onnxgrad_peak_mb"] / row["eager_peak_mb"]
+        row["peak_reset"] = all(r["peak_reset"] for rs in results.values() for r in rs)
         table[name] = row
         print(f"{name:20s} {row['onnxgrad_ms']:9.1f} {row['eager_ms']:9.1f} {row['ratio']:6.2f} "
-              f"{row['export_s']:9.2f} {row['session_s']:10.2f}", flush=True)
+              f"{row['export_s']:9.2f} {row['session_s']:10.2f} "
+              f"{row['onnxgrad_peak_mb']:10.0f} / {row['eager_peak_mb']:<8.0f} {row['memory/eager']:6.2f}"
+              + ("" if row["peak_reset"] else "  (peak not reset: includes the export)"), flush=True)
     measured = published.run_info(threads=B.THREADS, rounds=args.rounds, reps=args.reps, models=table)
     if args.json:
         with open(args.json, "w") as f:
@@ -129,7 +151,7 @@ def main(argv: list[str]) -> int:
         print()
         for difference in published.setup_differences(measured, before):
             print(f"note: published on another setup ({difference}): the ratios move with it")
-        for line in published.report(published.compare(table, before["models"], ["ratio"]), args.tolerance,
+        for line in published.report(published.compare(table, before["models"], ["ratio", "memory/eager"]), args.tolerance,
                                      f"{args.against} ({published.describe(before)})"):
             print(line)
     if args.profile:
