@@ -463,6 +463,69 @@ def test_cpu_update_gives_a_pointwise_weights_scalars_its_rank(monkeypatch, opti
         np.testing.assert_allclose(fast.parameters()[name], value, rtol=1e-6, atol=1e-7)
 
 
+# -- depthwise_conv_as_matmul (a lowering: applied to the forward before the gradient) -------------------
+DEPTHWISE_CASES = [
+    Case("Conv", [randn(2, 6, 4, 4), randn(6, 1, 3, 3)], dict(group=6, pads=[1, 1, 1, 1]), id="3x3"),
+    Case("Conv", [randn(2, 5, 4, 4), randn(5, 1, 5, 5), randn(5)], dict(group=5, pads=[2, 2, 2, 2]),
+         id="5x5-bias"),
+    Case("Conv", [randn(3, 4, 7, 6), randn(4, 1, 3, 3)], dict(group=4, strides=[2, 2], pads=[1, 0, 1, 1]),
+         id="stride-asymmetric-pads"),
+    Case("Conv", [randn(2, 3, 6, 6), randn(3, 1, 3, 2)], dict(group=3, dilations=[2, 1], pads=[2, 1, 0, 0]),
+         id="dilation-no-pad-end"),
+    Case("Conv", [randn(1, 4, 2, 2), randn(4, 1, 5, 5)], dict(group=4, pads=[2, 2, 2, 2]),
+         id="kernel-beyond-the-image"),
+]
+
+
+def _metadata(model: onnx.ModelProto) -> dict[str, str]:
+    return {p.key: p.value for p in model.metadata_props}
+
+
+def _lowered(case: Case) -> tuple[onnx.ModelProto, onnx.ModelProto, dict]:
+    model, feeds, wrt = case_model(case)
+    canonical = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    return canonical, onnxgrad.grad(model, wrt=wrt, of=["y0"], target="cpu"), _seeded(model, canonical, feeds)
+
+
+@pytest.mark.parametrize("case", DEPTHWISE_CASES, ids=str)
+def test_depthwise_conv_as_matmul(case):
+    """The cpu target lowers a depthwise Conv on a small image to MatMuls before the gradient: no Conv nor
+    ConvTranspose left, the outputs and every gradient the canonical graph's."""
+    canonical, fast, feeds = _lowered(case)
+    assert not {"Conv", "ConvTranspose"} & set(_ops(fast)), _ops(fast)
+    assert json.loads(_metadata(fast)["onnxgrad.lowered"]) == {"depthwise_conv_as_matmul": 1}
+    onnx.checker.check_model(fast, full_check=True)
+    want, got = _run(canonical, feeds), _run(fast, feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-5 * float(np.abs(value).max()), err_msg=name)
+
+
+def test_depthwise_conv_as_matmul_declines_a_large_image_and_a_grouped_conv():
+    """Above 64 positions the Conv stays (onnxruntime's is faster there), and a grouped Conv that is not
+    depthwise (2 channels per group) is not matched."""
+    large = Case("Conv", [randn(1, 3, 9, 9), randn(3, 1, 3, 3)], dict(group=3, pads=[1, 1, 1, 1]))
+    grouped = Case("Conv", [randn(1, 4, 4, 4), randn(4, 2, 3, 3)], dict(group=2, pads=[1, 1, 1, 1]))
+    for case in (large, grouped):
+        canonical, fast, feeds = _lowered(case)
+        assert "onnxgrad.lowered" not in _metadata(fast) and "Conv" in _ops(fast)
+        for name, value in _run(canonical, feeds).items():
+            np.testing.assert_allclose(_run(fast, feeds)[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_tap_matrix_is_the_convolution():
+    """S[k, p, o] read back as a convolution of an image by a kernel gives numpy's sliding windows."""
+    from onnxgrad.passes.optimize.depthwise import tap_matrix
+
+    rng = np.random.default_rng(0)
+    image, kernel = rng.standard_normal((5, 4)), rng.standard_normal((3, 2))
+    s = tap_matrix((5, 4), (3, 4), (3, 2), [2, 1], [1, 1], [1, 1, 1, 0])     # pads 1 top, 1 left, 0 right
+    padded = np.pad(image, ((1, 1), (1, 0)))
+    windows = np.lib.stride_tricks.sliding_window_view(padded, (3, 2))[::2, ::1]
+    want = (windows * kernel).sum(axis=(2, 3))
+    got = image.reshape(-1) @ np.tensordot(kernel.reshape(-1), s, axes=1)
+    np.testing.assert_allclose(got.reshape(3, 4), want, rtol=1e-12)
+
+
 # -- the update guard for the cuda target ----------------------------------------------------------------
 def _guarded_model(else_op: str) -> onnx.ModelProto:
     """p.next = If(finite) then p - 1 else <else_op>(p): the shape of a guarded training graph's update."""

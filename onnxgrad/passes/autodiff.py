@@ -64,7 +64,12 @@ def grad(
     enabled = gc.isenabled()
     gc.disable()
     try:
-        p = _Pass(parse(model), _names(wrt), _names(of), loss, allow_unused, strict_tags, group)
+        parsed = parse(model)
+        if target is not None and not group:
+            from .optimize import lowered
+
+            parsed = lowered(parsed, target)
+        p = _Pass(parsed, _names(wrt), _names(of), loss, allow_unused, strict_tags, group)
         out = p.run()
         if target is not None and not group:
             from .optimize import optimize

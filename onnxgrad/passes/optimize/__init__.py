@@ -26,7 +26,7 @@ form computes (``conv_forward_patches``: the weight gradient reads the forward's
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import onnx
 
@@ -40,19 +40,23 @@ from .conv import (
     CONV_WEIGHT_GRAD_PATCHES,
     asymmetric,
 )
+from .depthwise import DEPTHWISE_CONV_AS_MATMUL
 from .masks import WHERE_ZERO_AS_MUL
 from .pool import MAX_POOL_TAPS
 from .rewriter import Report, Rewrite, apply
 from .rewriter import apply as apply_rewrites
+
+if TYPE_CHECKING:
+    from ...ir.model import ParsedModel
 from .webgpu import WEBGPU_REWRITES
 
-__all__ = ["REWRITES", "TARGETS", "apply_rewrites", "cuda_refusals", "optimize", "provider_name", "rewrites_for",
-           "target_for"]
+__all__ = ["LOWERINGS", "REWRITES", "TARGETS", "apply_rewrites", "cuda_refusals", "lowered", "optimize",
+           "provider_name", "rewrites_for", "target_for"]
 
 REWRITES: dict[str, Rewrite] = {r.name: r for r in (
     CONV_FORWARD_PATCHES, CONV_WEIGHT_GRAD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED, MAX_POOL_TAPS,
     WHERE_ZERO_AS_MUL, BATCH_NORM_TRAINING_AS_OPS, BATCH_NORM_TRAINING_AS_OPS_BACKWARD, CONV_TRANSPOSE_SYMMETRIC,
-    *WEBGPU_REWRITES)}
+    DEPTHWISE_CONV_AS_MATMUL, *WEBGPU_REWRITES)}
 
 TARGETS: dict[str, tuple[str, ...]] = {
     "cpu": ("conv_forward_patches", "conv_weight_grad_patches", "conv_input_grad_col2im", "conv_input_grad_flipped",
@@ -64,6 +68,11 @@ TARGETS: dict[str, tuple[str, ...]] = {
     # every node on the GPU and right (onnxgrad.passes.optimize.webgpu): what the providers lack, as standard ops
     "webgpu": ("batch_norm_training_as_ops", "batch_norm_training_as_ops_backward",
                *(r.name for r in WEBGPU_REWRITES)),
+}
+
+# rewrites of the forward applied before it is differentiated: the backward is then the new form's own
+LOWERINGS: dict[str, tuple[str, ...]] = {
+    "cpu": ("depthwise_conv_as_matmul",),
 }
 
 _PROVIDERS = {"CPUExecutionProvider": "cpu", "CUDAExecutionProvider": "cuda"}
@@ -121,6 +130,25 @@ def rewrites_for(target: str | None) -> list[Rewrite]:
         raise OnnxGradError(f"unknown optimization target {target!r}: use one of "
                             f"{', '.join(map(repr, TARGETS))} or None for the canonical graph")
     return [REWRITES[name] for name in TARGETS[target]]
+
+
+def lowered(parsed: "ParsedModel", target: str | None) -> "ParsedModel":
+    """``parsed`` with ``target``'s lowerings (:data:`LOWERINGS`) applied to its forward, before the gradient
+    pass; ``parsed`` itself where none applies (nothing copied when no node has the ops they anchor on)."""
+    chosen = [REWRITES[name] for name in LOWERINGS.get(target or "", ())]
+    anchors = {r.op_type for r in chosen}
+    if not any(n.op_type in anchors for n in parsed.nodes):
+        return parsed
+    out, report = apply(parsed.inferred, chosen, first=len(parsed.nodes))
+    if not report.applied:
+        return parsed
+    from ...ir.model import set_metadata
+
+    counts: dict[str, int] = {}
+    for name, _ in report.applied:
+        counts[name] = counts.get(name, 0) + 1
+    set_metadata(out, {"onnxgrad.lowered": json.dumps(counts)})
+    return parsed.edited(out)
 
 
 def optimize(model: onnx.ModelProto, target: str | None, first: int = 0,
