@@ -46,14 +46,15 @@ def run(name: str, framework: str, reps: int, profile: bool) -> dict:
             model = from_torch(net, inputs)
             export = time.perf_counter() - t0
     base, reset = _memory_baseline()       # the model loaded (and exported): what building and training add
-    if framework == "torch":
+    if framework in ("torch", "compile"):
         net.train()
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
         loss_fn = torch.nn.CrossEntropyLoss()
+        forward = torch.compile(net) if framework == "compile" else net
 
         def step():
             opt.zero_grad()
-            loss_fn(net(*inputs), y).backward()
+            loss_fn(forward(*inputs), y).backward()
             opt.step()
         build = export = 0.0
     else:
@@ -99,7 +100,9 @@ def main(argv: list[str]) -> int:
                     f"--json file, one line per model, a ratio worse by more than --tolerance flagged {published.FLAG}")
     ap.add_argument("--tolerance", type=float, default=published.DEFAULT_TOLERANCE, metavar="FRACTION",
                     help="relative rise of a ratio flagged as a regression (default %(default)s)")
-    ap.add_argument("--framework", choices=["onnxgrad", "torch"], help=argparse.SUPPRESS)
+    ap.add_argument("--compile", action="store_true",
+                    help="also time torch.compile (each process compiles first: about 35 s for MobileNetV2 here)")
+    ap.add_argument("--framework", choices=["onnxgrad", "torch", "compile"], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     names = args.models or list(torch_models.MODELS)
     unknown = [n for n in names if n not in torch_models.MODELS]
@@ -120,10 +123,10 @@ def main(argv: list[str]) -> int:
           f"{env['BENCH_SPIN'] == '1'}; median of {args.rounds} processes per framework, each the median of "
           f"{args.reps} steps (ms)")
     print(f"{'model':20s} {'onnxgrad':>9s} {'eager':>9s} {'ratio':>6s} {'export s':>9s} {'session s':>10s} "
-          f"{'peak MB ours / eager':>21s} {'ratio':>6s}")
+          f"{'peak MB ours / eager':>21s} {'ratio':>6s}" + (f" {'compile':>9s} {'ratio':>6s}" if args.compile else ""))
     table = {}
     for name in names:
-        results: dict[str, list[dict]] = {"onnxgrad": [], "torch": []}
+        results: dict[str, list[dict]] = {"onnxgrad": [], "torch": [], **({"compile": []} if args.compile else {})}
         for _ in range(args.rounds):
             for framework in results:
                 r = subprocess.run([sys.executable, __file__, name, "--framework", framework, "--reps",
@@ -138,10 +141,14 @@ def main(argv: list[str]) -> int:
         row["eager_peak_mb"] = statistics.median(r["peak_mb"] for r in results["torch"])
         row["memory/eager"] = row["onnxgrad_peak_mb"] / row["eager_peak_mb"]
         row["peak_reset"] = all(r["peak_reset"] for rs in results.values() for r in rs)
+        if args.compile:
+            row["compile_ms"] = statistics.median(r["median"] for r in results["compile"])
+            row["step/compile"] = row["onnxgrad_ms"] / row["compile_ms"]
         table[name] = row
         print(f"{name:20s} {row['onnxgrad_ms']:9.1f} {row['eager_ms']:9.1f} {row['ratio']:6.2f} "
               f"{row['export_s']:9.2f} {row['session_s']:10.2f} "
               f"{row['onnxgrad_peak_mb']:10.0f} / {row['eager_peak_mb']:<8.0f} {row['memory/eager']:6.2f}"
+              + (f" {row['compile_ms']:9.1f} {row['step/compile']:6.2f}" if args.compile else "")
               + ("" if row["peak_reset"] else "  (peak not reset: includes the export)"), flush=True)
     measured = published.run_info(threads=B.THREADS, rounds=args.rounds, reps=args.reps, models=table)
     if args.json:
@@ -151,13 +158,14 @@ def main(argv: list[str]) -> int:
         print()
         for difference in published.setup_differences(measured, before):
             print(f"note: published on another setup ({difference}): the ratios move with it")
-        for line in published.report(published.compare(table, before["models"], ["ratio", "memory/eager"]), args.tolerance,
-                                     f"{args.against} ({published.describe(before)})"):
+        comparisons = published.compare(table, before["models"], ["ratio", "memory/eager", "step/compile"])
+        for line in published.report(comparisons, args.tolerance, f"{args.against} ({published.describe(before)})"):
             print(line)
     if args.profile:
         for name in names:
             run(name, "onnxgrad", args.reps, True)
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
