@@ -45,10 +45,10 @@ from .masks import WHERE_ZERO_AS_MUL
 from .pool import MAX_POOL_TAPS
 from .rewriter import Report, Rewrite, apply
 from .rewriter import apply as apply_rewrites
+from .webgpu import WEBGPU_REWRITES
 
 if TYPE_CHECKING:
     from ...ir.model import ParsedModel
-from .webgpu import WEBGPU_REWRITES
 
 __all__ = ["LOWERINGS", "REWRITES", "TARGETS", "apply_rewrites", "cuda_refusals", "lowered", "optimize",
            "provider_name", "rewrites_for", "target_for"]
