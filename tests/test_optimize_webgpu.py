@@ -337,6 +337,30 @@ def test_embedding_gradients_as_one_hot_matmuls():
     np.testing.assert_allclose(gp["table"], wp["table"], rtol=1e-5, atol=1e-7)
 
 
+def test_a_pointwise_weights_update_reads_its_scalars_at_its_rank(monkeypatch):
+    """A [6, 3, 1, 1] weight updated alone: its AdamW scalars reshaped to [1, 1, 1, 1] (wasm runs the webgpu files
+    with onnxruntime's CPU kernels, which broadcast a scalar against such a shape one element at a time), nothing
+    the providers lack, and the canonical training."""
+    import onnxgrad.training.artifacts as A
+
+    monkeypatch.setattr(A, "FOREACH_MAX_ELEMENTS", 0)
+    w = numpy_helper.from_array((rng.standard_normal((6, 3, 1, 1)) * 0.5).astype(np.float32), "pw")
+    graph = helper.make_graph([helper.make_node("Conv", ["x", "pw"], ["y"], name="pointwise")], "pointwise",
+                              [helper.make_tensor_value_info("x", F, (2, 3, 4, 4))],
+                              [helper.make_tensor_value_info("y", F, (2, 6, 4, 4))], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    loss = losses.MSELoss(output="y", target="t")
+    gpu = build(model, loss, optim.AdamW(lr=1e-2, weight_decay=0.1), target="webgpu")
+    canonical = build(model, loss, optim.AdamW(lr=1e-2, weight_decay=0.1))
+    reshaped = {n.output[0] for n in gpu.train.graph.node if n.op_type == "Reshape" and n.input[0] not in ("x", "pw")}
+    assert any(set(n.input) & reshaped for n in gpu.train.graph.node if n.name.startswith("train/optimizer/pw/"))
+    assert not {n.op_type for n in run_time_nodes(gpu.train)} & CPU_OR_FAILING
+    batches = [{"x": floats(2, 3, 4, 4), "t": floats(2, 6, 4, 4)} for _ in range(3)]
+    (got, gp), (want, wp) = train(gpu, batches), train(canonical, batches)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    np.testing.assert_allclose(gp["pw"], wp["pw"], rtol=1e-5, atol=1e-7)
+
+
 def test_adam_schedule_keeps_float64_off_the_training_graph():
     art = build(str(MODELS / "mlp_ce_dynamo.onnx"), "loss", optim.AdamW(lr=1e-2), target="webgpu")
     assert art.schedule is not None and art.spec.schedule["inputs"] == ["lr", "step"]

@@ -662,7 +662,7 @@ class _Builder:
         updated.append((next_step, step, f"{step.name}.next", self.step_dtype, (),
                         f"'{step.name}' for the next update: one more when this update was applied"))
         new_values = [u[0] for u in updated]
-        if self.target == "cpu":
+        if self.target in ("cpu", "webgpu"):       # onnxruntime's CPU kernels, wasm's too (webgpu files run there)
             scalars_at_rank(ob, first)
         if self.guard:
             new_values = _guarded(ob, first, finite, [(u[0], u[1], u[3], u[4]) for u in updated])

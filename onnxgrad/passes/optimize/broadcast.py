@@ -1,4 +1,5 @@
-"""A scalar operand at the other operand's rank, where that operand's shape ends in an axis of 1 (CPU target).
+"""A scalar operand at the other operand's rank, where that operand's shape ends in an axis of 1 (cpu and webgpu
+targets).
 
 onnxruntime's CPU provider (1.32) broadcasts a rank-0 scalar against a tensor whose last axis is 1 one element
 at a time: ``Mul([1280, 320, 1, 1], scalar)`` takes 2.0 ms where ``Mul([409600], scalar)`` takes 23 us, and
@@ -7,8 +8,9 @@ at a time: ``Mul([1280, 320, 1, 1], scalar)`` takes 2.0 ms where ``Mul([409600],
 parameters: every multiply of the optimizer's update by a learning rate or a beta paid it (EfficientNet-B0's
 AdamW update took 85 ms of a 180 ms profiled step; its step went from 124 to 65 ms with this rewrite,
 ``bench/bench_families.py``). The value is the same: a ``[1, ..., 1]`` operand broadcasts exactly as a scalar
-does. Built for the training graph's update, whose tensors' shapes the builder knows
-(:mod:`onnxgrad.training.artifacts`, cpu target).
+does. onnxruntime-web's wasm build has the same path (1 thread, in Node: 7.4 ms against 0.29 ms flat and 0.85 ms
+with the scalar at rank 4), and runs the webgpu target's files where WebGPU is missing. Built for the training
+graph's update, whose tensors' shapes the builder knows (:mod:`onnxgrad.training.artifacts`).
 """
 from __future__ import annotations
 
