@@ -1,4 +1,5 @@
-"""The model families people train, through onnxgrad.from_torch, against PyTorch eager: torchvision's
+"""The model families people train, through onnxgrad.from_torch, against PyTorch eager (and with --compile
+torch.compile): torchvision's
 MobileNetV2, MobileNetV3-Large, EfficientNet-B0 and ResNet-18 (64x64 images, batch 4, 1000 classes), transformers'
 BERT (4 layers, d256, sequences of 128, batch 8) and GPT-2 (4 layers, d256, 128 positions, batch 4, its 50257-token
 vocabulary) (bench/torch_models.py), trained in train mode with AdamW and cross-entropy. One framework per process
@@ -6,7 +7,7 @@ vocabulary) (bench/torch_models.py), trained in train mode with AdamW and cross-
 export's and the session's build times; and onnxruntime's profile of onnxgrad's step by op type. Needs torch and
 transformers (pip install ".[cpu,torch]" transformers).
 
-    python bench/bench_families.py [MODEL ...] [--reps 10] [--rounds 2] [--profile]
+    python bench/bench_families.py [MODEL ...] [--reps 10] [--rounds 2] [--compile] [--profile]
     python bench/bench_families.py --json bench/results/families_DATE.json     # the published figures
     python bench/bench_families.py --against bench/results/families_DATE.json  # a later run against them
 """

@@ -20,6 +20,9 @@ form computes (``conv_forward_patches``: the weight gradient reads the forward's
   ``artifacts.build`` for this target, so by ``TrainingSession`` and ``--optimize-for cuda``): the guard is
   built after the gradient.
 
+A lowering (:data:`LOWERINGS`) is a rewrite of the forward applied before it is differentiated, so that the
+backward is the new form's own (``depthwise_conv_as_matmul``, cpu target: :func:`onnxgrad.grad` applies it).
+
 ``bench/bench_rewrites.py`` times every rewrite against the canonical form;
 ``tests/test_optimize.py`` proves each gives the canonical graph's outputs.
 """
