@@ -1,16 +1,17 @@
 """A depthwise convolution on a small image as batched MatMuls, lowered before the gradient (CPU target).
 
 onnxruntime's CPU Conv runs a depthwise convolution (group = channels) whose weight is an input, as in a training
-step, as one im2col and Gemm per channel: at the small images of a mobile network's last stages it is 6 to 13
-times PyTorch's (``[4, 672, 4, 4]`` with a 5x5 kernel: 0.74 ms against 0.058; ``[4, 144, 56, 56]``, 3x3: 1.9
-against 0.55 ms). On an image of P <= 64 positions each channel's convolution is a linear map, a [P, O] matrix
-(O output positions) that the kernel's taps fill:
+step, as one im2col and Gemm per channel: 1.7 to 8 times PyTorch's at MobileNet's and EfficientNet's shapes, the
+most on the small images of the last stages (``[4, 672, 4, 4]`` with a 5x5 kernel: 0.38-0.65 ms against
+0.055-0.077; ``[4, 144, 56, 56]``, 3x3: 0.92-0.95 against 0.33; ``python bench/bench_kernels.py depthwise``). On
+an image of P <= 64 positions each channel's convolution is a linear map, a [P, O] matrix (O output positions)
+that the kernel's taps fill:
 
     T[c] = sum_k w[c, k] S[k],   y[n, c] = x[n, c] T[c]   (x[n, c] a row of P values, y[n, c] of O)
 
 ``S[k]`` (constant, 0/1) marks which input position output position o reads through tap k (padding read as
 nothing); the T of every channel is one MatMul of the kernels [C, K] by S [K, P*O], and the convolution one
-batched MatMul over the channels: 0.12 ms for the case above. The model is rewritten before it is
+batched MatMul over the channels: 0.13 ms for the first case above. The model is rewritten before it is
 differentiated, so the backward is the MatMuls' own: dx = dy T^T, dT = x^T dy, dw = dT S^T.
 """
 from __future__ import annotations
@@ -22,7 +23,10 @@ from ...ir.builder import Builder, Var
 from ...ir.model import FLOAT_TYPES
 from .rewriter import GraphView, Match, Rewrite
 
-_MAX_POSITIONS = 64     # the image's positions; at 256 (16x16) the MatMuls measured 13x slower than the Conv
+# the image's positions. At 64 (8x8) the MatMuls' forward alone is a little slower than the Conv (0.32-0.42 ms against
+# 0.28) but the step as fast or faster (EfficientNet-B0 57.1 ms at 64, 58.3 at 16, 66.7 without); at 256 (16x16)
+# they are 9-17x slower than the Conv
+_MAX_POSITIONS = 64
 
 
 def _pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
