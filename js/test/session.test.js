@@ -1,6 +1,6 @@
 // The session on onnxruntime-node, on artifacts tests/test_js.py builds with the CLI (ONNXGRAD_JS_FIXTURES: a
 // folder with manifest.json); tests/test_js.py then compares what this writes with Python's CPU session.
-// Run alone: `node --test test/` (the fixture tests skip without the folder; the file-format tests run).
+// Run alone: `npm test` (the fixture tests skip without the folder; the file-format tests run).
 import assert from 'node:assert/strict';
 import { existsSync, readFileSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
@@ -8,8 +8,9 @@ import { test } from 'node:test';
 
 import * as ort from 'onnxruntime-node';
 
-import { arrayOf, NonFiniteError, readSafetensors, readState, StateError, TrainingError, TrainingSession, writeSafetensors,
+import { NonFiniteError, readSafetensors, readState, StateError, TrainingError, TrainingSession, writeSafetensors,
   writeState } from '../src/index.js';
+import { batchAt } from './batches.js';
 
 const FIXTURES = process.env.ONNXGRAD_JS_FIXTURES;
 const manifest = FIXTURES && existsSync(join(FIXTURES, 'manifest.json'))
@@ -19,18 +20,8 @@ const noFixtures = manifest ? false : 'no ONNXGRAD_JS_FIXTURES: tests/test_js.py
 /** @param {string} name */
 const file = (name) => new Uint8Array(readFileSync(join(/** @type {string} */ (FIXTURES), name)));
 
-/** The k-th batch of a fixture (tensors named "k/input" in <name>.batches.safetensors). */
-function batch(name, k) {
-  const { tensors } = readSafetensors(file(`${name}.batches.safetensors`));
-  /** @type {Record<string, {data: any, dims: number[]}>} */
-  const out = {};
-  for (const [key, e] of tensors) {
-    const [index, input] = key.split('/');
-    if (Number(index) !== k) continue;
-    out[input] = { data: arrayOf(e), dims: e.shape };
-  }
-  return out;
-}
+/** The k-th batch of a fixture (<name>.batches.safetensors). @param {string} name @param {number} k */
+const batch = (name, k) => batchAt(readSafetensors(file(`${name}.batches.safetensors`)).tensors, k);
 
 /** @param {string} name */
 async function open(name) {

@@ -1,6 +1,7 @@
 // What tests/test_browser.py runs in Chromium: the JavaScript session on onnxruntime-web, on artifacts the test
 // serves under /fx/ (<name>.train.onnx ... and <name>.batches.safetensors: tensors "k/input").
-import { arrayOf, readSafetensors, TrainingSession } from '/js/src/index.js';
+import { batchAt } from '/js/test/batches.js';
+import { readSafetensors, TrainingSession } from '/js/src/index.js';
 
 const DIST = '/js/node_modules/onnxruntime-web/dist/';
 
@@ -17,18 +18,6 @@ async function bytes(url) {
   const r = await fetch(url);
   if (!r.ok) throw new Error(`${url}: ${r.status}`);
   return new Uint8Array(await r.arrayBuffer());
-}
-
-/** The k-th batch: tensors named "k/input". @param {Map<string, any>} tensors @param {number} k */
-function batch(tensors, k) {
-  /** @type {Record<string, {data: any, dims: number[]}>} */
-  const out = {};
-  for (const [key, e] of tensors) {
-    const [index, input] = key.split('/');
-    if (Number(index) !== k) continue;
-    out[input] = { data: arrayOf(e), dims: e.shape };
-  }
-  return out;
 }
 
 /**
@@ -63,7 +52,7 @@ window.train = async ({ bundle, ep, name, steps, schedule }) => {
   const ms = [];
   for (let k = 0; k < steps; k++) {
     const t0 = performance.now();
-    losses.push(await session.step(batch(tensors, k)));
+    losses.push(await session.step(batchAt(tensors, k)));
     ms.push(performance.now() - t0);
   }
   const checkpoint = base64(await session.save());
@@ -109,7 +98,7 @@ window.leak = async ({ bundle, name, steps }) => {
   const held = Object.keys(spec.params).length + Object.values(spec.buffers ?? {}).length
     + Object.values(spec.state ?? {}).reduce((n, s) => n + Object.keys(s).length, 0);
   let loss = 0;
-  for (let k = 0; k < steps; k++) loss = await session.step(batch(tensors, 0));
+  for (let k = 0; k < steps; k++) loss = await session.step(batchAt(tensors, 0));
   const afterSteps = disposed;
   await session.release();
   ort.Tensor.prototype.dispose = dispose;
@@ -123,7 +112,7 @@ window.leak = async ({ bundle, name, steps }) => {
  */
 window.nanStep = async ({ bundle, ep, name }) => {
   const { session, tensors } = await open(await ortOf(bundle), { name, ep });
-  const good = batch(tensors, 0);
+  const good = batchAt(tensors, 0);
   const poisoned = { ...good };
   const first = Object.keys(good).find((k) => good[k].data instanceof Float32Array);
   poisoned[first] = { data: good[first].data.slice(), dims: good[first].dims };
