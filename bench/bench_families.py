@@ -14,7 +14,6 @@ transformers (pip install ".[cpu,torch]" transformers).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -46,7 +45,7 @@ def run(name: str, framework: str, reps: int, profile: bool) -> dict:
             t0 = time.perf_counter()
             model = from_torch(net, inputs)
             export = time.perf_counter() - t0
-    base, reset = _memory_baseline()       # the model loaded (and exported): what building and training add
+    base, reset = bench_memory.baseline()      # the model loaded (and exported): what building and training add
     if framework in ("torch", "compile"):
         net.train()
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
@@ -79,15 +78,6 @@ def run(name: str, framework: str, reps: int, profile: bool) -> dict:
     peak = bench_memory._mb("VmHWM") - base
     return {"median": statistics.median(times), "min": min(times), "build_s": build, "export_s": export,
             "peak_mb": peak, "peak_reset": reset}
-
-
-def _memory_baseline() -> tuple[float, bool]:
-    """The resident MB now, after a collection and malloc_trim (bench_memory.py's baseline), and whether the
-    peak was reset to it (/proc/self/clear_refs), so that the peak read after the steps is the build's and the
-    steps' own."""
-    gc.collect()
-    bench_memory._trim()
-    return bench_memory._mb("VmRSS"), B._reset_peak()
 
 
 def main(argv: list[str]) -> int:

@@ -62,6 +62,15 @@ def _trim() -> None:
         pass
 
 
+def baseline() -> tuple[float, bool]:
+    """The resident MB now, after a collection and malloc_trim (the heap building the model freed goes back first:
+    no framework reuses it unseen), and whether the peak was reset to it (/proc/self/clear_refs), so that the peak
+    read later is what came after."""
+    gc.collect()
+    _trim()
+    return _mb("VmRSS"), B._reset_peak()
+
+
 def child(name: str, framework: str) -> dict:
     """In a fresh process: build the trainer of one model, run STEPS steps, report the phases' peaks."""
     bench = B.BUILDERS[name]()
@@ -73,10 +82,7 @@ def child(name: str, framework: str) -> dict:
         import onnxruntime  # noqa: F401
 
         import onnxgrad  # noqa: F401
-    gc.collect()
-    _trim()             # the heap building the model freed goes back first: no framework reuses it unseen
-    base = _mb("VmRSS")
-    reset = B._reset_peak()
+    base, reset = baseline()
     if framework in ("torch", "compile"):
         step = bench.torch_step(bench.weights, compile=framework == "compile")
     else:

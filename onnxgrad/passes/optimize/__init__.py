@@ -147,10 +147,7 @@ def lowered(parsed: "ParsedModel", target: str | None) -> "ParsedModel":
         return parsed
     from ...ir.model import set_metadata
 
-    counts: dict[str, int] = {}
-    for name, _ in report.applied:
-        counts[name] = counts.get(name, 0) + 1
-    set_metadata(out, {"onnxgrad.lowered": json.dumps(counts)})
+    set_metadata(out, {"onnxgrad.lowered": json.dumps(report.counts())})
     return parsed.edited(out)
 
 
@@ -163,10 +160,7 @@ def optimize(model: onnx.ModelProto, target: str | None, first: int = 0,
     chosen = [REWRITES[name] for name in rewrites] if rewrites is not None else rewrites_for(target)
     out, report = apply(model, chosen, first, copy)
     if report.applied:
-        counts: dict[str, int] = {}
-        for name, _ in report.applied:
-            counts[name] = counts.get(name, 0) + 1
         from ...ir.model import set_metadata
 
-        set_metadata(out, {"onnxgrad.target": json.dumps(target), "onnxgrad.rewrites": json.dumps(counts)})
+        set_metadata(out, {"onnxgrad.target": json.dumps(target), "onnxgrad.rewrites": json.dumps(report.counts())})
     return out, report

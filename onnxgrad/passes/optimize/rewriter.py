@@ -159,6 +159,13 @@ class Report:
     def count(self, rewrite: str) -> int:
         return sum(1 for r, _ in self.applied if r == rewrite)
 
+    def counts(self) -> dict[str, int]:
+        """How many times each rewrite applied, in the order they first did."""
+        out: dict[str, int] = {}
+        for r, _ in self.applied:
+            out[r] = out.get(r, 0) + 1
+        return out
+
     def reasons(self, rewrite: str) -> list[str]:
         return [why for r, _, why in self.declined if r == rewrite]
 
