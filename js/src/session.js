@@ -2,7 +2,7 @@
 // onnxruntime-common API: onnxruntime-web (wasm, WebGPU) and onnxruntime-node. The caller passes its ort module.
 import { ELEM_TYPES, readModel, withInitializers } from './onnx.js';
 import { compileSchedule } from './schedule.js';
-import { arrayOf } from './safetensors.js';
+import { ARRAYS, arrayOf } from './safetensors.js';
 import { readState, writeState } from './state.js';
 
 /** @typedef {import('onnxruntime-common').Tensor} Tensor */
@@ -32,10 +32,10 @@ export class TrainingError extends Error {
   }
 }
 
-const TYPED = Object.freeze({
-  float32: Float32Array, float64: Float64Array, int32: Int32Array, int64: BigInt64Array, uint8: Uint8Array,
-  int8: Int8Array, bool: Uint8Array, float16: Uint16Array,
-});
+/** The typed array holding an ONNX element type's values (its safetensors dtype's). @param {number} elemType */
+function arrayType(elemType) {
+  return ARRAYS[ELEM_TYPES[/** @type {keyof typeof ELEM_TYPES} */ (elemType)].safetensors];
+}
 
 /** @param {ArrayBufferView} data */
 function bytesOf(data) {
@@ -197,7 +197,7 @@ export class TrainingSession {
   /** @param {number} elemType @param {number} value a 0-d tensor of that ONNX type */
   #tensor(elemType, value) {
     const type = ELEM_TYPES[/** @type {keyof typeof ELEM_TYPES} */ (elemType)].ort;
-    const data = type === 'int64' ? BigInt64Array.of(BigInt(value)) : new TYPED[/** @type {'float32'} */ (type)]([value]);
+    const data = type === 'int64' ? BigInt64Array.of(BigInt(value)) : new (arrayType(elemType))([value]);
     return new this.#ort.Tensor(/** @type {any} */ (type), data, []);
   }
 
@@ -240,7 +240,7 @@ export class TrainingSession {
       } else if (have && have !== want) {
         throw new TrainingError(`'${name}' is ${have}; the model reads ${want}: convert it before the step`);
       } else if (!ArrayBuffer.isView(data)) {
-        data = new TYPED[/** @type {'float32'} */ (want)](data);
+        data = new (arrayType(input.elemType))(data);
       }
       const count = dims.reduce((a, b) => a * b, 1);
       if (data.length !== count) throw new TrainingError(`'${name}' has ${data.length} values for dims [${dims}]`);
