@@ -21,9 +21,10 @@ from .registry import Node, register
 
 @register("NegativeLogLikelihoodLoss")
 def nll_loss(n: Node):
-    """loss = -sum_c w * x reduced:  dx = -w * g,  g = dy (none: per target), dy (sum), dy / sum(w) (mean)"""
-    w = _target_weights(n)
-    return (w * -_loss_seed(n, w),)
+    """loss = -sum_c w * x reduced:  dx = -w * g, which is 0 but at each target's class: there
+    -weight[label] * g, g = dy (none: per target), dy (sum), dy / sum(w) (mean); scattered into zeros."""
+    at, picked = _targets(n)
+    return (n.op.ScatterElements(n.b.zeros_like(n.inputs[0]), at, -(picked * _loss_seed(n, picked)), axis=1),)
 
 
 @register("SoftmaxCrossEntropyLoss")
@@ -32,32 +33,55 @@ def softmax_cross_entropy_loss(n: Node):
 
     dlogp = dlog_prob - w * g   (g as for NegativeLogLikelihoodLoss),
     dscores = dlogp - softmax * sum_c dlogp,  softmax = exp(logp).
+
+    With the loss alone seeded, sum_c dlogp = -weight[label] * g = -h per target, so
+    dscores = softmax * h, less h at the target's class: one tensor of the scores' size where the
+    class mask would make five (a language model's logits: 100 MB each).
     """
     log_prob = n.expose_output(1, "log_prob")
-    dlogp = None
-    if n.dy is not None:
-        w = _target_weights(n)
-        dlogp = w * -_loss_seed(n, w)
-    if len(n.dys) > 1 and n.dys[1] is not None:
-        dlogp = n.dys[1] if dlogp is None else dlogp + n.dys[1]
     softmax = n.op.Exp(log_prob)
+    h = None
+    if n.dy is not None:
+        at, picked = _targets(n)
+        h = picked * _loss_seed(n, picked)            # [N, 1, d...]
+    dlog_prob = n.dys[1] if len(n.dys) > 1 else None
+    if dlog_prob is None:
+        return (_minus_at(n, softmax * h, at, h),)
+    dlogp = dlog_prob if h is None else _minus_at(n, dlog_prob, at, h)
     return (dlogp - softmax * n.b.sum(dlogp, [1], keepdims=True),)
 
 
-def _loss_seed(n: Node, w: Var) -> Var:
-    """g: the loss seed as it reaches each target, broadcastable to [N, C, d...] (no bigger than the loss)."""
+def _minus_at(n: Node, x: Var, at: Var, h: Var) -> Var:
+    """x with h subtracted at the classes ``at`` (one per target, along axis 1)."""
+    return n.op.ScatterElements(x, at, n.op.GatherElements(x, at, axis=1) - h, axis=1)
+
+
+def _loss_seed(n: Node, picked: Var) -> Var:
+    """g: the loss seed as it reaches each target, broadcastable to [N, 1, d...] (no bigger than the loss);
+    ``picked`` the targets' weights."""
     reduction = n.attr("reduction", "mean")
     if reduction == "none":
         return n.b.unsqueeze(n.dy, [1])
     if reduction == "sum":
         return n.dy
-    return n.dy / n.b.sum(w, None, keepdims=False)
+    return n.dy / n.b.sum(picked, None, keepdims=False)
 
 
-def _target_weights(n: Node) -> Var:
-    """w[n, c, d...] = weight[c] (1 without weights) where c is the target's label and it is not ignored; else 0."""
+def _targets(n: Node) -> tuple[Var, Var]:
+    """Each target's class as an index along axis 1, [N, 1, d...] (0 for an ignored target), and its weight
+    of the same shape: weight[label] (1 without weights), 0 for an ignored target."""
     x, labels = n.inputs[:2]
-    return target_weights(n.b, x, labels, n.input(2), n.attr("ignore_index"))
+    b = n.b
+    weights, ignore = n.input(2), n.attr("ignore_index")
+    ignored = None if ignore is None else b.op.Equal(labels, _int_like(b, ignore, labels))
+    safe = labels if ignored is None else b.op.Where(ignored, _int_like(b, 0, labels), labels)
+    if weights is not None:
+        picked = b.op.Gather(weights, safe, axis=0)
+    else:
+        picked = b.fill(b.ints(labels.shape) if labels.info.static else b.shape_of(labels), 1.0, x)
+    if ignored is not None:
+        picked = b.op.Where(ignored, b.scalar(0.0, x), picked)
+    return b.unsqueeze(safe, [1]), b.unsqueeze(picked, [1])
 
 
 def target_weights(b: Builder, x: Var, labels: Var, weights: Var | None, ignore: int | None) -> Var:

@@ -156,6 +156,26 @@ def test_scatter_elements_at_expanded_constant_indices_as_scatter_nd():
     assert_same(m, "scatter_elements_as_nd", {"x": floats(2, 4, 3), "u": floats(2, 1, 3)}, "ScatterElements")
 
 
+@pytest.mark.parametrize("reduction", ["none", "add"])
+@pytest.mark.parametrize("index_type", [TensorProto.INT64, TensorProto.INT32])
+def test_scatter_of_one_index_per_row_as_a_where_of_the_class_compare(reduction, index_type):
+    # the loss gradients' scatter at each target's class, its indices the labels (known at run time)
+    m = one_node("ScatterElements", [("x", F, (3, 5, 2)), ("idx", index_type, (3, 1, 2)), ("u", F, (3, 1, 2))],
+                 [("y", F, (3, 5, 2))], {"axis": 1, "reduction": reduction})
+    idx = np.array([[[4, 0]], [[2, 2]], [[0, 3]]], helper.tensor_dtype_to_np_dtype(index_type))
+    out = assert_same(m, "one_per_row_scatter_as_where", {"x": floats(3, 5, 2), "idx": idx, "u": floats(3, 1, 2)},
+                      "ScatterElements")
+    assert {n.op_type for n in out.graph.node} <= {"Constant", "Equal", "Where", "Add"}
+
+
+def test_scatter_of_several_indices_per_row_stays():
+    m = one_node("ScatterElements", [("x", F, (3, 5)), ("idx", TensorProto.INT64, (3, 2)), ("u", F, (3, 2))],
+                 [("y", F, (3, 5))], {"axis": 1})
+    _, report = apply_rewrites(onnx.shape_inference.infer_shapes(m), [REWRITES["one_per_row_scatter_as_where"]])
+    assert not report.applied
+    assert "more than one element per row" in str(report)
+
+
 @pytest.mark.parametrize("op,first", [("Equal", False), ("Less", True)])
 def test_unsqueezed_comparison_compares_the_unsqueezed_operand(op, first):
     # an embedding's padding mask: Unsqueeze(Equal(ids, 0)) -> Equal(Unsqueeze(ids), 0), no boolean Unsqueeze

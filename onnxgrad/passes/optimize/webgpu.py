@@ -17,7 +17,8 @@ wrong, and the standard ops written here instead:
 - ``SoftmaxCrossEntropyLoss`` and ``NegativeLogLikelihoodLoss`` run as their function bodies, whose
   ``LogSoftmax`` runs on the CPU: written with ``ReduceMax``, ``Exp``, ``ReduceSum``, ``Log``;
 - ``ScatterElements`` runs on the CPU in JSEP: with constant indices, a ``ScatterND`` at the coordinates
-  computed here; an embedding's gradient (a ``ScatterND`` at int64 indices, which must stay int64 there) as
+  computed here; with one index per row (the loss gradients' scatter at the targets' classes), a ``Where`` of
+  the class compare; an embedding's gradient (a ``ScatterND`` at int64 indices, which must stay int64 there) as
   one-hot rows and a ``MatMul``;
 - the training step's finiteness check (``IsNaN``, ``IsInf``, ``Or`` run on the CPU): ``|x| < FLT_MAX``; any
   other ``IsNaN`` (softmax's gradient on fully masked rows): ``not (x == x)``. Both rely on IEEE comparisons
@@ -320,6 +321,38 @@ SCATTER_ELEMENTS_AS_ND = Rewrite("scatter_elements_as_nd", "ScatterElements", _s
                                  "ScatterND (JSEP runs ScatterElements on the CPU)", forward=None)
 
 
+# -- ScatterElements of one index per row (a loss's gradient at each target's class) --------------------------------
+def _one_per_row_check(view: GraphView, m: Match) -> str | None:
+    data, indices = view.shape(m.data), view.shape(m.indices)
+    if data is None or indices is None or len(indices) != len(data):
+        return "its shapes are not static"
+    if indices[m.axis % len(data)] != 1:
+        return "it scatters more than one element per row"
+    if m.reduction not in ("none", "add"):
+        return f"its reduction is {m.reduction}"
+    return None
+
+
+def _one_per_row_as_where(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """ScatterElements(data, idx, upd, axis), idx of extent 1 on ``axis``: Where(idx == j, upd, data) at every
+    position j of ``axis`` (the class mask the loss gradients were written with before they scattered)."""
+    rank = len(view.shape(m.data))
+    axis = m.axis % rank
+    positions = [1] * rank
+    positions[axis] = view.shape(m.data)[axis]
+    index_type = helper.tensor_dtype_to_np_dtype(view.info(m.indices).dtype or TensorProto.INT64)
+    ids = b.const(np.arange(positions[axis], dtype=index_type).reshape(positions))
+    data, updates = b.var(m.data), b.var(m.updates)
+    hit = b.op.Equal(b.var(m.indices), ids)
+    return [b.op.Where(hit, data + updates if m.reduction == "add" else updates, data)]
+
+
+ONE_PER_ROW_SCATTER_AS_WHERE = Rewrite(
+    "one_per_row_scatter_as_where", "ScatterElements", _scatter_elements, _one_per_row_check, _one_per_row_as_where,
+    "ScatterElements of one element per row (the loss gradients' at the targets' classes) as a Where of the "
+    "class compare (JSEP runs ScatterElements on the CPU)", forward=None)
+
+
 # -- a mask unsqueezed: the comparison made on the unsqueezed operand ---------------------------------------------
 _COMPARE_OPS = ("Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual")
 
@@ -500,9 +533,9 @@ ISNAN_AS_COMPARE = Rewrite("isnan_as_compare", "IsNaN", _isnan,
 
 WEBGPU_REWRITES = (SUM_AS_ADDS, MEAN_AS_ADDS, MAX_AS_WHERE, MIN_AS_WHERE, CONCAT_TREE, SPLIT_TREE,
                    CONV_TRANSPOSE_SYMMETRIC, CONV_EXPLICIT, CONV_TRANSPOSE_EXPLICIT, MAX_POOL_TAPS_FLOAT,
-                   SOFTMAX_CROSS_ENTROPY_AS_OPS, NLL_AS_OPS,
-                   SCATTER_ELEMENTS_AS_ND, ROW_SCATTER_AS_MATMUL, FINITE_AS_COMPARE, ISNAN_AS_COMPARE,
-                   AND_AS_ARITHMETIC, OR_AS_ARITHMETIC, LSTM_AS_OPS, UNSQUEEZED_COMPARE)
+                   SOFTMAX_CROSS_ENTROPY_AS_OPS, NLL_AS_OPS, SCATTER_ELEMENTS_AS_ND, ONE_PER_ROW_SCATTER_AS_WHERE,
+                   ROW_SCATTER_AS_MATMUL, FINITE_AS_COMPARE, ISNAN_AS_COMPARE, AND_AS_ARITHMETIC, OR_AS_ARITHMETIC,
+                   LSTM_AS_OPS, UNSQUEEZED_COMPARE)
 
 
 # -- whole-graph passes -------------------------------------------------------------------------------------------
