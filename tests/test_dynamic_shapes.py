@@ -227,3 +227,53 @@ def test_a_wrt_tensor_of_unknown_rank_is_refused_clearly():
         onnxgrad.grad(m, wrt=["r"], loss="loss")
     gm = onnxgrad.grad(m, wrt=["x"], loss="loss")          # x's rank is known: fine
     onnx.checker.check_model(gm, full_check=True)
+
+
+# -- shape inference: data propagation where it can know more, and only there ---------------------------------
+def _reshaped(target_nodes, inits=()):
+    """x [2, 3, 4] reshaped to the shape ``target_nodes`` compute as ``t``."""
+    nodes = [*target_nodes, helper.make_node("Reshape", ["x", "t"], ["y"])]
+    return model(nodes, [helper.make_tensor_value_info("x", F, [2, 3, 4])],
+                 [helper.make_tensor_value_info("y", F, ["a", "b"])], inits)
+
+
+def _shape_of(m, name):
+    from onnxgrad.ir import model as M
+
+    infos, _ = M.tensor_infos(M.infer(m))
+    return infos[name].shape
+
+
+def test_inference_propagates_a_shape_computed_from_shape():
+    m = _reshaped([helper.make_node("Shape", ["x"], ["s"], start=0, end=1),
+                   helper.make_node("Concat", ["s", "minus_one"], ["t"], axis=0)],
+                  [numpy_helper.from_array(np.array([-1], np.int64), "minus_one")])
+    assert _shape_of(m, "y") == (2, 12)
+
+
+def test_inference_propagates_a_shape_computed_from_integer_constants():
+    m = _reshaped([helper.make_node("Concat", ["six", "minus_one"], ["t"], axis=0)],
+                  [numpy_helper.from_array(np.array([6], np.int64), "six"),
+                   numpy_helper.from_array(np.array([-1], np.int64), "minus_one")])
+    assert _shape_of(m, "y") == (6, 4)
+
+
+def test_data_propagation_is_asked_only_where_it_can_know_more():
+    from onnxgrad.ir.model import _propagates_data
+
+    shape_made = _reshaped([helper.make_node("Shape", ["x"], ["s"], start=0, end=1),
+                            helper.make_node("Concat", ["s", "minus_one"], ["t"], axis=0)],
+                           [numpy_helper.from_array(np.array([-1], np.int64), "minus_one")])
+    constants_made = _reshaped([helper.make_node("Concat", ["six", "minus_one"], ["t"], axis=0)],
+                               [numpy_helper.from_array(np.array([6], np.int64), "six"),
+                                numpy_helper.from_array(np.array([-1], np.int64), "minus_one")])
+    # a count cast to float (batch norm's n), and a constant target: nothing to propagate
+    nothing = model([helper.make_node("Constant", [], ["n"], value=numpy_helper.from_array(np.array(6, np.int64))),
+                     helper.make_node("Cast", ["n"], ["nf"], to=F),
+                     helper.make_node("Mul", ["x", "nf"], ["xn"]),
+                     helper.make_node("Reshape", ["xn", "t"], ["y"])],
+                    [helper.make_tensor_value_info("x", F, [2, 3, 4])], [helper.make_tensor_value_info("y", F, ["a", "b"])],
+                    [numpy_helper.from_array(np.array([6, -1], np.int64), "t")])
+    assert _propagates_data(shape_made.graph) and _propagates_data(constants_made.graph)
+    assert not _propagates_data(nothing.graph)
+    assert _shape_of(nothing, "y") == (6, 4)

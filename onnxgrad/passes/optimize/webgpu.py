@@ -618,6 +618,8 @@ def static_shapes_folded(model: onnx.ModelProto) -> int:
         model.graph.node[k].CopyFrom(helper.make_node("Constant", [], [node.output[0]], name=node.name,
                                                       value=numpy_helper.from_array(value)))
         folded += 1
+    if folded:        # what the folded shapes alone computed (an exporter's Expand of a shape): constants too
+        integer_constants_folded(model)
     return folded
 
 
@@ -717,8 +719,8 @@ def for_webgpu(train: onnx.ModelProto, rewrites: Sequence[Rewrite], *, finite: s
     fed as int32, no Identity, and the step's scalars (everything computed from ``schedule_inputs`` alone) moved
     to a schedule model. Returns the graph, the schedule, the report and the data inputs retyped to int32."""
     train, _ = guard_as_where(train, finite)
+    static_shapes_folded(train)     # first: without Shape nodes, inference skips data propagation (seconds)
     _with_types(train)          # the builder's nodes carry none: the rewrites' checks read them
-    static_shapes_folded(train)
     train, report = apply(train, [r for r in rewrites if r.forward is None], first=0, copy=False)
     retyped = labels_as_int32(train, data_inputs)
     without_identities(train)
@@ -730,8 +732,8 @@ def eval_for_webgpu(model: onnx.ModelProto, rewrites: Sequence[Rewrite], *, data
                     ) -> onnx.ModelProto:
     """An eval (or inference) graph made to run on the WebGPU providers: ``rewrites`` applied to every node,
     int64 class labels fed as int32, no Identity."""
-    _with_types(model)
     static_shapes_folded(model)
+    _with_types(model)
     model, _ = apply(model, [r for r in rewrites if r.forward is None], first=0, copy=False)
     labels_as_int32(model, data_inputs)
     without_identities(model)
