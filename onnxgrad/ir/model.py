@@ -8,6 +8,7 @@ Reading and validating a model is :mod:`onnxgrad.ir.load`.
 """
 from __future__ import annotations
 
+import math
 import re
 from functools import cached_property
 from typing import Iterable
@@ -301,28 +302,30 @@ def infer(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def _propagates_data(g: onnx.GraphProto, integers: frozenset[str] = frozenset()) -> bool:
     """Whether onnx's data propagation can know a value plain inference does not: one computed from a Shape or
-    Size, or from integer constants alone by a node other than a Constant (``Concat`` of two constant shapes, a
-    Reshape's target). It propagates integers only (shapes, axes); without either source it adds nothing, and
-    it costs: 1.4 s of the 1.5 s EfficientNet-B0's WebGPU training graph took to infer, its optimizer update's
-    thousands of Reshape, Concat and Split nodes the most."""
-    known = set(integers) | {t.name for t in g.initializer if t.data_type in _INTEGER_TYPES}
+    Size, or from small integer constants by a node other than a Constant (``Concat`` of two constant shapes, a
+    Reshape's target). It propagates shapes and axes only (small integer vectors; not through Expand); without
+    such a source it adds nothing, and it costs: 1.4 s of the 1.5 s EfficientNet-B0's WebGPU training graph took
+    to infer, its optimizer update's thousands of Reshape, Concat and Split nodes the most."""
+    known = set(integers) | {t.name for t in g.initializer
+                             if t.data_type in _INTEGER_TYPES and math.prod(t.dims) <= _SHAPE_DATA_LIMIT}
     for node in g.node:
         if node.op_type in ("Shape", "Size"):
             return True
         if node.op_type == "Constant":
             a = node.attribute[0] if len(node.attribute) == 1 else None
-            if a is not None and (a.name in ("value_int", "value_ints") or
-                                  (a.name == "value" and a.t.data_type in _INTEGER_TYPES)):
+            small = a is not None and a.name == "value" and math.prod(a.t.dims) <= _SHAPE_DATA_LIMIT
+            if a is not None and (a.name in ("value_int", "value_ints") or (small and a.t.data_type in _INTEGER_TYPES)):
                 known.update(node.output)
             continue
         inputs = [x for x in node.input if x]
-        if inputs and all(x in known for x in inputs) and not _makes_floats(node):
+        if inputs and all(x in known for x in inputs) and node.op_type != "Expand" and not _makes_floats(node):
             return True
         if any(_propagates_data(sg, frozenset(known)) for sg in subgraphs(node)):
             return True
     return False
 
 
+_SHAPE_DATA_LIMIT = 64      # elements of an integer constant that may be a shape (integer_constants_folded's too)
 _INTEGER_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32})
 
 
