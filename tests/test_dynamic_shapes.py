@@ -274,6 +274,22 @@ def test_data_propagation_is_asked_only_where_it_can_know_more():
                      helper.make_node("Reshape", ["xn", "t"], ["y"])],
                     [helper.make_tensor_value_info("x", F, [2, 3, 4])], [helper.make_tensor_value_info("y", F, ["a", "b"])],
                     [numpy_helper.from_array(np.array([6, -1], np.int64), "t")])
+    # token type ids: zeros expanded to the batch's shape (onnx propagates no data through Expand), and
+    # position ids sliced from a long constant (no shape has 512 dims)
+    ids = model([helper.make_node("Expand", ["zero", "batch"], ["types"]),
+                 helper.make_node("Slice", ["positions", "start", "end", "axis"], ["pos"]),
+                 helper.make_node("Gather", ["table", "types"], ["t_emb"]),
+                 helper.make_node("Gather", ["table", "pos"], ["p_emb"]),
+                 helper.make_node("Add", ["t_emb", "p_emb"], ["y"])],
+                [helper.make_tensor_value_info("table", F, [512, 4])],
+                [helper.make_tensor_value_info("y", F, [2, 8, 4])],
+                [numpy_helper.from_array(np.zeros(1, np.int64), "zero"),
+                 numpy_helper.from_array(np.array([2, 8], np.int64), "batch"),
+                 numpy_helper.from_array(np.arange(512, dtype=np.int64).reshape(1, 512), "positions"),
+                 numpy_helper.from_array(np.array([0], np.int64), "start"),
+                 numpy_helper.from_array(np.array([8], np.int64), "end"),
+                 numpy_helper.from_array(np.array([1], np.int64), "axis")])
     assert _propagates_data(shape_made.graph) and _propagates_data(constants_made.graph)
-    assert not _propagates_data(nothing.graph)
+    assert not _propagates_data(nothing.graph) and not _propagates_data(ids.graph)
+    assert _shape_of(ids, "y") == (2, 8, 4)
     assert _shape_of(nothing, "y") == (6, 4)
