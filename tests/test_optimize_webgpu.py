@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "models"
 OPSET = 18
 F = TensorProto.FLOAT
+I64 = TensorProto.INT64
 rng = np.random.default_rng(0)
 
 # what the WebGPU providers of onnxruntime-web 1.30 run on the CPU (in either bundle) or fail: none may remain
@@ -174,6 +175,34 @@ def test_scatter_of_several_indices_per_row_stays():
     _, report = apply_rewrites(onnx.shape_inference.infer_shapes(m), [REWRITES["one_per_row_scatter_as_where"]])
     assert not report.applied
     assert "more than one element per row" in str(report)
+
+
+def test_static_shapes_fold_in_rounds_and_compute_the_same():
+    # the second Shape reads a tensor whose shape is known only once the first is folded (a Reshape to it)
+    nodes = [helper.make_node("Shape", ["x"], ["s1"], start=0, end=1),
+             helper.make_node("Concat", ["s1", "minus_one"], ["target"], axis=0),
+             helper.make_node("Reshape", ["x", "target"], ["r"]),
+             helper.make_node("Shape", ["r"], ["s2"]),
+             helper.make_node("Size", ["r"], ["n"]),
+             helper.make_node("Reshape", ["r", "s2"], ["y"])]
+    g = helper.make_graph(nodes, "shapes", [helper.make_tensor_value_info("x", F, (2, 3, 4))],
+                          [helper.make_tensor_value_info("y", F, (2, 12)), helper.make_tensor_value_info("n", I64, ())],
+                          [numpy_helper.from_array(np.array([-1], np.int64), "minus_one")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", OPSET)])
+    before = onnx.ModelProto()
+    before.CopyFrom(m)
+    assert webgpu.static_shapes_folded(m) == 3
+    assert not [n for n in m.graph.node if n.op_type in ("Shape", "Size", "Concat")]
+    onnx.checker.check_model(m, full_check=True)
+    x = floats(2, 3, 4)
+    for got, want in zip(run(m, {"x": x}), run(before, {"x": x})):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_shape_known_only_at_run_time_stays():
+    m = one_node("Shape", [("x", F, ("B", 3))], [("s", I64, (2,))])
+    assert webgpu.static_shapes_folded(m) == 0
+    assert [n.op_type for n in m.graph.node] == ["Shape"]
 
 
 @pytest.mark.parametrize("op,first", [("Equal", False), ("Less", True)])

@@ -264,7 +264,7 @@ def opset_of(model: onnx.ModelProto) -> int:
     return onnx.defs.onnx_opset_version()
 
 
-def infer(model: onnx.ModelProto) -> onnx.ModelProto:
+def infer(model: onnx.ModelProto, data_prop: bool | None = None) -> onnx.ModelProto:
     """Shape inference that never fails the pass: without it we work with unknown shapes.
 
     onnx's inference stops at a Reshape to a shape computed at run time (its rank unknown); the
@@ -272,9 +272,11 @@ def infer(model: onnx.ModelProto) -> onnx.ModelProto:
     backwards (:func:`_recover_ranks`) and inference is run again from them. An If whose condition is
     known at build time, with branches of different ranks, leaves its outputs unranked: the shapes
     the taken branch gives are found on a copy of the model (:func:`_specialized_shapes`).
+    ``data_prop``: onnx's data propagation on or off; by default on where it can carry a value.
     """
     model = skeleton(model)
-    data_prop = _propagates_data(model.graph)
+    if data_prop is None:       # onnx's data propagation where it can carry a value (it costs seconds)
+        data_prop = _propagates_data(model.graph)
     try:
         inferred = shape_inference.infer_shapes(model, check_type=False, strict_mode=False, data_prop=data_prop)
     except Exception:

@@ -599,9 +599,33 @@ _INTEGERS = frozenset({TensorProto.INT64, TensorProto.INT32, TensorProto.BOOL})
 def static_shapes_folded(model: onnx.ModelProto) -> int:
     """Replace, in place, the main graph's Shape and Size nodes of tensors whose shape is static by Constants (the
     WebGPU providers run Size, and the int64 arithmetic on a shape, on the CPU; onnxruntime folds what a constant
-    feeds). Returns how many were folded."""
+    feeds), and what they computed with integer constants alone. Returns how many were folded.
+
+    Inference without data propagation first, round after round (each round's folded shapes make the next
+    one's Reshape targets constants), then once with it if Shape nodes of tensors not yet known remain: the same
+    folding as inference with data propagation from the start, at a fraction of its cost on a training graph
+    (EfficientNet-B0's: 0.1 s a round against 1.5 s)."""
     integer_constants_folded(model)
-    infos, _ = M.tensor_infos(M.infer(model))
+    total, rounds = 0, 0
+    while any(n.op_type in ("Shape", "Size") for n in model.graph.node):
+        rounds += 1
+        data_prop = rounds > _FAST_ROUNDS
+        folded = _shapes_folded(model, M.tensor_infos(M.infer(model, data_prop=data_prop))[0])
+        total += folded
+        if folded:        # what the folded shapes alone computed (an exporter's Expand of a shape): constants too
+            integer_constants_folded(model)
+        if data_prop:
+            break
+        if not folded:    # nothing more without data propagation: one round with it
+            rounds = _FAST_ROUNDS
+    return total
+
+
+_FAST_ROUNDS = 3        # rounds of inference without data propagation before the one with it
+
+
+def _shapes_folded(model: onnx.ModelProto, infos: dict[str, M.TensorInfo]) -> int:
+    """Shape and Size nodes of the tensors ``infos`` knows statically replaced by Constants; how many."""
     folded = 0
     for k, node in enumerate(model.graph.node):
         if node.op_type not in ("Shape", "Size") or node.domain not in ("", "ai.onnx"):
@@ -618,8 +642,6 @@ def static_shapes_folded(model: onnx.ModelProto) -> int:
         model.graph.node[k].CopyFrom(helper.make_node("Constant", [], [node.output[0]], name=node.name,
                                                       value=numpy_helper.from_array(value)))
         folded += 1
-    if folded:        # what the folded shapes alone computed (an exporter's Expand of a shape): constants too
-        integer_constants_folded(model)
     return folded
 
 
