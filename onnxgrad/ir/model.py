@@ -309,13 +309,13 @@ def _propagates_data(g: onnx.GraphProto, integers: frozenset[str] = frozenset())
     such a source it adds nothing, and it costs: 1.4 s of the 1.5 s EfficientNet-B0's WebGPU training graph took
     to infer, its optimizer update's thousands of Reshape, Concat and Split nodes the most."""
     known = set(integers) | {t.name for t in g.initializer
-                             if t.data_type in _INTEGER_TYPES and math.prod(t.dims) <= _SHAPE_DATA_LIMIT}
+                             if t.data_type in _INTEGER_TYPES and math.prod(t.dims) <= SHAPE_DATA_LIMIT}
     for node in g.node:
         if node.op_type in ("Shape", "Size"):
             return True
         if node.op_type == "Constant":
             a = node.attribute[0] if len(node.attribute) == 1 else None
-            small = a is not None and a.name == "value" and math.prod(a.t.dims) <= _SHAPE_DATA_LIMIT
+            small = a is not None and a.name == "value" and math.prod(a.t.dims) <= SHAPE_DATA_LIMIT
             if a is not None and (a.name in ("value_int", "value_ints") or (small and a.t.data_type in _INTEGER_TYPES)):
                 known.update(node.output)
             continue
@@ -327,7 +327,7 @@ def _propagates_data(g: onnx.GraphProto, integers: frozenset[str] = frozenset())
     return False
 
 
-_SHAPE_DATA_LIMIT = 64      # elements of an integer constant that may be a shape (integer_constants_folded's too)
+SHAPE_DATA_LIMIT = 64       # elements of an integer value that may be a shape (webgpu's integer_constants_folded too)
 _INTEGER_TYPES = frozenset({onnx.TensorProto.INT64, onnx.TensorProto.INT32})
 
 

@@ -35,6 +35,7 @@ Train-mode ``BatchNormalization`` (refused by both) is :mod:`onnxgrad.passes.opt
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -570,7 +571,7 @@ def integer_constants_folded(model: onnx.ModelProto) -> int:
     g = model.graph
     inputs = {i.name for i in g.input}
     values = {t.name: numpy_helper.to_array(t) for t in g.initializer
-              if t.name not in inputs and t.data_type in _INTEGERS and int(np.prod(t.dims)) <= 64}
+              if t.name not in inputs and t.data_type in _INTEGERS and math.prod(t.dims) <= M.SHAPE_DATA_LIMIT}
     opset = M.opset_of(model)
     count = 0
     for k, node in enumerate(g.node):
@@ -580,7 +581,8 @@ def integer_constants_folded(model: onnx.ModelProto) -> int:
                 values.update(out)
             continue
         out = M.folded(node, values, opset)
-        if out is None or len(out) != 1 or not all(v.dtype.kind in "iub" and v.size <= 64 for v in out.values()):
+        if out is None or len(out) != 1 or not all(v.dtype.kind in "iub" and v.size <= M.SHAPE_DATA_LIMIT
+                                                   for v in out.values()):
             continue
         (name, value), = out.items()
         values[name] = value
