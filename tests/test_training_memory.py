@@ -329,3 +329,42 @@ def test_a_placeholder_of_a_held_value_is_never_saved(tmp_path):
     with pytest.raises(ValueError, match="0.weight"):
         save_model(model, str(tmp_path / "m.onnx"))
     assert not (tmp_path / "m.onnx").exists()
+
+
+def _embedding_model(rows=4096, width=128):
+    """y = table[ids]: its gradient is scattered into zeros of the table's shape (2 MiB here)."""
+    table = numpy_helper.from_array(np.random.default_rng(0).standard_normal((rows, width)).astype(np.float32),
+                                    "table")
+    return helper.make_model(helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["y"])], "embedding",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [8])],
+        [helper.make_tensor_value_info("y", F, [8, width])], [table]),
+        opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("limit", [None, "0"], ids=["session's", "caller's: none"])
+def test_onnxruntime_folds_no_table_sized_constant_into_the_session(tmp_path, limit):
+    """onnxruntime folds the embedding gradient's ConstantOfShape into an initializer, a second copy of the table
+    for the session's life, unless its folding limit keeps it out; the session sets that limit (and keeps the
+    caller's: with no limit, the copy is there)."""
+    import onnxruntime as ort
+
+    from onnxgrad.training.session import FOLDED_CONSTANT_LIMIT
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    if limit is not None:
+        options.add_session_config_entry(FOLDED_CONSTANT_LIMIT[0], limit)
+    s = TrainingSession(_embedding_model(), loss=losses.MSELoss(output="y", target="t"),
+                        optimizer=optim.Adam(lr=0.1), session_options=options)
+    ids = np.array([0, 5, 5, 9, 4095, 17, 0, 3], np.int64)
+    before = s.parameters()["table"]
+    s.step({"ids": ids, "t": np.zeros((8, 128), np.float32)})
+    changed = np.flatnonzero(np.any(s.parameters()["table"] != before, axis=1))
+    np.testing.assert_array_equal(changed, np.unique(ids))       # the rows looked up, and only those
+    optimized = onnx.load(str(tmp_path / "optimized.onnx"))
+    table_sized = [i.name for i in optimized.graph.initializer if list(i.dims) == [4096, 128]]
+    if limit is None:
+        assert table_sized == []
+    else:
+        assert table_sized, "with no folding limit onnxruntime was expected to hold the folded zeros"

@@ -81,6 +81,12 @@ class StepReadbackError(OnnxGradError):
 
 _GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 
+# onnxruntime's constant folding turns a ConstantOfShape of a constant shape into an initializer the session holds
+# for its whole life: the zeros an embedding's gradient is scattered into are a copy of the table (BERT's 31 MB,
+# GPT-2's 51 MB). Above this size a constant is made again each step (a fill, which the step's copy of the folded
+# one cost as well): BERT's step peak 444 -> 414 MB, GPT-2's 725 -> 691 MB, no step slower (bench/README.md)
+FOLDED_CONSTANT_LIMIT = ("optimization.constant_folding_max_output_size_in_bytes", str(1 << 20))
+
 
 def default_providers() -> list[str]:
     """CUDA first when this onnxruntime has it (onnxruntime-gpu), then CPU."""
@@ -126,10 +132,12 @@ class TrainingSession:
     providers (default: CUDA when available, else CPU); the backward is rewritten for the first
     one (:mod:`onnxgrad.passes.optimize`). ``session_options``: the ``onnxruntime.SessionOptions`` of its
     sessions; the session turns their memory pattern off (``enable_mem_pattern``: with it, onnxruntime
-    held a step's activations twice). ``recompute``: the backward computes cheap activations again
-    (ReLUs, batch-norm outputs, GELUs) instead of keeping them from the forward (:mod:`onnxgrad.passes.recompute`):
-    less is held from the forward into the backward, for a little more time; a step's peak falls only
-    where it lies there (bench/README.md's measurements). Checkpoints keep the setting.
+    held a step's activations twice) and keeps onnxruntime from folding constants over 1 MiB into tensors
+    it holds (:data:`FOLDED_CONSTANT_LIMIT`, unless the options set that limit). ``recompute``: the backward
+    computes cheap activations again (ReLUs, batch-norm outputs, GELUs) instead of keeping them from the
+    forward (:mod:`onnxgrad.passes.recompute`): less is held from the forward into the backward, for a
+    little more time; a step's peak falls only where it lies there (bench/README.md's measurements).
+    Checkpoints keep the setting.
 
     ``lr`` (the learning rate of the next steps; a scheduler sets it), ``step_count``
     (updates applied), ``skipped_steps`` and ``last_grad_norm`` are plain attributes;
@@ -791,6 +799,11 @@ class TrainingSession:
         # run, allocated beside the blocks that first run left in the arena: a training step then holds
         # its activations twice (ResNet-18: 420 MB peak with it, 321 MB without, the step as fast)
         opts.enable_mem_pattern = False
+        key, limit = FOLDED_CONSTANT_LIMIT
+        try:
+            opts.get_session_config_entry(key)          # the caller's own limit stays
+        except RuntimeError:
+            opts.add_session_config_entry(key, limit)
         # onnxruntime's common-subexpression elimination would merge recomputed activations back into
         # the forward nodes they copy (onnxgrad.passes.recompute)
         disabled = list(ORT_DISABLED_OPTIMIZERS) if self.spec.recompute else None
