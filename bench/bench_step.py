@@ -23,6 +23,9 @@ PyTorch eager's step (zero_grad, forward, loss, backward, AdamW.step) on the
 same weights and batch, and the same step with the forward and loss through ``torch.compile``
 (compiled during warm-up; ``--no-compile`` skips it), and PyTorch eager's step without ``AdamW.step``: a
 line under each model splits both steps into the update (step - gradient) and the forward and backward.
+Another gives the same forward with its weights as graph inputs, as the step binds them (no weight prepacked or
+reordered for the NCHWc convolutions, no batch norm folded into a Conv: what no training step can use) and the
+step and gradient over it: the ratio that a step's arithmetic, about three forwards, bounds from below.
 ``--recompute`` adds the step of a
 ``TrainingSession(recompute=True)`` (:mod:`onnxgrad.passes.recompute`). Every framework runs with 2 intra-op threads
 (``BENCH_THREADS``) whose idle threads block rather than spin: on shared,
@@ -520,11 +523,17 @@ def measure(bench: Bench, reps: int, warmup: int, with_torch: bool, with_compile
     t_session = time.perf_counter() - t0
 
     fwd = ort_session(bench.forward)
+    # the same forward with its weights as graph inputs, as a step binds them: no prepacked or NCHWc-reordered
+    # constant weights, no batch norm folded into the Conv
+    held = [t.name for t in bench.forward.graph.initializer if t.name in bench.weights]
+    fwd_inputs = ort_session(A._params_as_inputs(bench.forward, held, False))
+    held_feeds = {**bench.feeds, **{name: bench.weights[name] for name in held}}
     gsess = ort_session(gm)
     all_feeds = {**bench.feeds, **bench.target}
     gnames = [o.name for o in gm.graph.output]
     runs: dict[str, Callable[[], Any]] = {
         "forward": lambda: fwd.run(None, bench.feeds),
+        "forward_inputs": lambda: fwd_inputs.run(None, held_feeds),
         "gradient": lambda: gsess.run(gnames, {**all_feeds, **weights}),
         "step": lambda: ts.step(all_feeds),
     }
@@ -625,7 +634,8 @@ def print_profile(path: str, title: str, reps: int, top: int = 15) -> None:
 
 # -- the figures a run publishes, and the comparison with the published ones ----------------------------
 RATIOS = ("step/eager", "step/compile", "step/forward", "memory/eager")
-COLUMNS = {"forward": "forward", "gradient": "gradient", "step": "step", "torch": "eager",
+COLUMNS = {"forward": "forward", "forward_inputs": "forward_weights_as_inputs", "gradient": "gradient",
+           "step": "step", "torch": "eager",
            "torch_gradient": "eager_gradient", "compile": "compile", "recompute": "recompute"}
 
 
@@ -638,6 +648,8 @@ def figures(r: dict) -> dict:
         if key in ms:
             out[f"{column}_ms"], out[f"{column}_min_ms"] = ms[key], lo[key]
     out["step/forward"] = ms["step"] / ms["forward"]
+    if "forward_inputs" in ms:
+        out["step/forward_weights_as_inputs"] = ms["step"] / ms["forward_inputs"]
     for column in ("eager", "compile"):
         if f"{column}_ms" in out:
             out[f"step/{column}"] = out["step_ms"] / out[f"{column}_ms"]
@@ -734,6 +746,11 @@ def main(argv: list[str]) -> None:
               f"{cell('torch'):>17} {cell('compile'):>17} {ms['step'] / ms['forward']:>8.2f} "
               f"{ms['gradient'] / ms['forward']:>8.2f} {ratio('torch'):>10} {ratio('compile'):>13} "
               f"{r['fwd_nodes']:>4}/{r['grad_nodes']}/{r['train_nodes']}", flush=True)
+        if "forward_inputs" in ms:
+            print(f"    the forward with its weights as graph inputs, as the step binds them: {cell('forward_inputs')} "
+                  f"ms ({ms['forward_inputs'] / ms['forward']:.2f} x the forward); the step is "
+                  f"{ms['step'] / ms['forward_inputs']:.2f} of it, the gradient {ms['gradient'] / ms['forward_inputs']:.2f}",
+                  flush=True)
         if "torch_gradient" in ms:
             print(f"    the update, step - gradient: ours {ms['step'] - ms['gradient']:.2f} ms, PyTorch's "
                   f"{ms['torch'] - ms['torch_gradient']:.2f} (its step without AdamW.step: "
