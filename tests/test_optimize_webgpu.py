@@ -177,6 +177,16 @@ def test_scatter_of_several_indices_per_row_stays():
     assert "more than one element per row" in str(report)
 
 
+def test_scatter_of_one_index_in_part_of_the_rows_stays():
+    # ScatterElements' indices may be smaller than the data off the axis: only rows 0 of 3 are written, which a
+    # Where of the class compare would broadcast over every row
+    m = one_node("ScatterElements", [("x", F, (3, 5)), ("idx", TensorProto.INT64, (1, 1)), ("u", F, (1, 1))],
+                 [("y", F, (3, 5))], {"axis": 1})
+    _, report = apply_rewrites(onnx.shape_inference.infer_shapes(m), [REWRITES["one_per_row_scatter_as_where"]])
+    assert not report.applied
+    assert "part of the data's rows" in str(report)
+
+
 def test_static_shapes_fold_in_rounds_and_compute_the_same():
     # the second Shape reads a tensor whose shape is known only once the first is folded (a Reshape to it)
     nodes = [helper.make_node("Shape", ["x"], ["s1"], start=0, end=1),

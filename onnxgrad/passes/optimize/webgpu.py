@@ -327,8 +327,11 @@ def _one_per_row_check(view: GraphView, m: Match) -> str | None:
     data, indices = view.shape(m.data), view.shape(m.indices)
     if data is None or indices is None or len(indices) != len(data):
         return "its shapes are not static"
-    if indices[m.axis % len(data)] != 1:
+    axis = m.axis % len(data)
+    if indices[axis] != 1:
         return "it scatters more than one element per row"
+    if any(i != d for k, (i, d) in enumerate(zip(indices, data)) if k != axis):
+        return "its indices cover part of the data's rows (a Where would broadcast them over every row)"
     if m.reduction not in ("none", "add"):
         return f"its reduction is {m.reduction}"
     return None
