@@ -263,15 +263,28 @@ def test_where_zero_as_mul(case):
     assert _ops(fast).count("Where") == _ops(canonical).count("Where") - 1 and "Cast" in _ops(fast)
 
 
-def test_cpu_target_turns_the_max_pool_taps_masks_into_products():
-    """MaxPool's 2x2 gradient routes dy to each window's maximum with one Where(mask, dy, 0) per tap: a masking
-    rule, so the CPU target multiplies instead (leaving its four Wheres took bench_step's CNN from 11.0 to 13.7 ms
-    a step; found bisecting issue 33's regression)."""
+def test_max_pool_taps_unpools_at_the_first_maximum_with_no_where_or_strided_slice():
+    """The cpu target's 2x2 MaxPool gradient puts dy at each tile's first maximum with one MaxUnpool: no Where
+    (its four Wheres once took bench_step's CNN from 11.0 to 13.7 ms a step, found bisecting issue 33's
+    regression) and no strided Slice of x (twice the time of the contiguous splits)."""
     case = Case("MaxPool", [distinct(2, 3, 4, 4)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]))
     model, _, wrt = case_model(case)
     fast, report = optimize(onnxgrad.grad(model, wrt=wrt, of=["y0"]), "cpu", first=1)
-    assert [name for name, _ in report.applied].count("where_zero_as_mul") == 4, report.applied
-    assert "Where" not in _ops(fast)
+    assert [name for name, _ in report.applied] == ["max_pool_taps"], report.applied
+    ops = _ops(fast)
+    assert ops.count("MaxUnpool") == 1 and "Where" not in ops and "ScatterElements" not in ops
+    for node in fast.graph.node:
+        if node.op_type == "Slice":
+            assert len(node.input) == 4, node.name                     # no steps input: unit steps
+
+
+def test_max_pool_taps_declines_float64_with_a_reason():
+    """onnxruntime's MaxUnpool has no float64 kernel: a double pool keeps the canonical scatter."""
+    case = Case("MaxPool", [distinct(2, 3, 4, 4).astype(np.float64)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]))
+    model, _, wrt = case_model(case)
+    fast, report = optimize(onnxgrad.grad(model, wrt=wrt, of=["y0"]), "cpu", first=1)
+    assert report.count("max_pool_taps") == 0 and "float kernel only" in report.reasons("max_pool_taps")[0]
+    assert "ScatterElements" in _ops(fast)
 
 
 def test_where_zero_as_mul_keeps_a_where_that_scrubs_nan():

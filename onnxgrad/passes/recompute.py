@@ -20,10 +20,11 @@ A tensor ``t`` the backward reads is recomputed, deciding in forward order, when
   one that it keeps until shortly before and that is no larger than ``t`` (its life grows by a stretch
   where ``t`` itself was alive, so the memory held there does not grow).
 
-A tensor the backward compares for equality (``Equal``, directly or through data movement: the CPU
-rewrite of MaxPool's backward finds each window's maximum again as ``x == y``) is never recomputed: a
-clone agrees with the forward's tensor up to rounding, not bit for bit (a batch norm recomputed from its
-statistics rounds differently from the training kernel), and one differing bit loses a window's gradient.
+A tensor the backward compares with another tensor (``Equal``, or ``Less`` of two tensors; directly or
+through data movement: the CPU rewrite of MaxPool's backward finds each window's maximum again as the
+first tap of x not below y) is never recomputed: a clone agrees with the forward's tensor up to rounding,
+not bit for bit (a batch norm recomputed from its statistics rounds differently from the training
+kernel), and one differing bit sends a window's gradient to the wrong tap or loses it.
 
 A tensor read through another recomputed one is computed again from the tensors that one reads (a
 ResNet's block output reads the previous block's), so chains stay within :data:`MAX_CLONES` nodes.
@@ -157,15 +158,24 @@ _MOVES = frozenset({"Slice", "Reshape", "Transpose", "Squeeze", "Unsqueeze", "Fl
                     "Gather", "Concat", "Split"})     # ops that pass values through unchanged
 
 
+def _compares_two_tensors(view: GraphView, node: onnx.NodeProto) -> bool:
+    """An ``Equal``, or a ``Less`` of two non-constant tensors (one against a constant bound, as Clip's and
+    HardSwish's gradients compare, only moves a mask where the value sits on the bound)."""
+    if node.op_type == "Equal":
+        return True
+    return node.op_type == "Less" and all(view.value(i) is None for i in node.input)
+
+
 def _compared(view: GraphView, tensor: str, first: int, position: dict[int, int]) -> bool:
-    """Whether a backward ``Equal`` reads ``tensor``'s values, directly or through :data:`_MOVES`."""
+    """Whether a backward comparison of two tensors reads ``tensor``'s values, directly or through
+    :data:`_MOVES`."""
     seen, todo = set(), [tensor]
     while todo:
         x = todo.pop()
         for reader in view.readers.get(x, []):
             if position[id(reader)] < first or reader.domain not in _STANDARD:
                 continue
-            if reader.op_type == "Equal":
+            if _compares_two_tensors(view, reader):
                 return True
             if reader.op_type in _MOVES:
                 todo.extend(o for o in reader.output if o and o not in seen)

@@ -32,11 +32,8 @@ def _pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
     return None
 
 
-# forward ops whose gradient rule masks the incoming gradient: Where(mask, dy, 0) and its scalings; MaxPool's
-# gradient in its 2x2 taps form (max_pool_taps) routes dy to each window's maximum with one such Where per tap
-# (left out when NaN-scrubbing Wheres were kept apart, its four Wheres cost the CNN's step 11.0 -> 13.7 ms)
-_MASKING_RULES = {"Relu", "PRelu", "ThresholdedRelu", "HardSigmoid", "HardSwish", "Shrink", "Clip", "Where",
-                  "MaxPool"}
+# forward ops whose gradient rule masks the incoming gradient: Where(mask, dy, 0) and its scalings
+_MASKING_RULES = {"Relu", "PRelu", "ThresholdedRelu", "HardSigmoid", "HardSwish", "Shrink", "Clip", "Where"}
 
 
 def _forward_op(view: GraphView, node: onnx.NodeProto) -> str | None:

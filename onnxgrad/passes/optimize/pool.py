@@ -1,12 +1,18 @@
-"""MaxPool backward rewrite for onnxruntime's CPU kernels.
+"""MaxPool backward rewrites without the forward's Indices.
 
 The canonical MaxPool rule scatters dy at the forward's Indices. For 2x2 windows that tile the
-image, the first maximum of each tile can be found again from x and y with four strided Slices,
-so the forward pool drops its Indices output (onnxruntime's Indices kernel costs several times
-the pool itself) and the backward needs no scatter.
+image, the first maximum of each tile can be found again from x and y, so the forward pool drops its
+Indices output (onnxruntime's Indices kernel costs several times the pool itself: 1.9 against 0.3 ms
+at bench_step's CNN's first pool, ``[32, 32, 32, 32]``).
+
+- ``max_pool_taps`` (cpu target): the taps of x's tiles in two contiguous splits, the first one not
+  below y as an index, and MaxUnpool puts dy there;
+- :func:`first_maximum_taps` (the webgpu target's ``max_pool_taps_float``): float masks per tap,
+  interleaved back by Concats.
 """
 from __future__ import annotations
 
+import numpy as np
 import onnx
 from onnx import TensorProto
 
@@ -46,30 +52,63 @@ def max_pool_taps_check(view: GraphView, m: Match) -> str | None:
     return None
 
 
-def first_maximum_taps(b: Builder, view: GraphView, m: Match, masks: str = "bool") -> list[Var]:
+def max_pool_unpool_check(view: GraphView, m: Match) -> str | None:
+    if view.info(m.x).dtype != TensorProto.FLOAT:
+        return "x is not float (onnxruntime's MaxUnpool has a float kernel only)"
+    return max_pool_taps_check(view, m)
+
+
+def first_maximum_unpooled(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """With x as tiles t[r, i, c, j] = x[n, k, 2h + i, 2c + j] (r = (n K + k) H/2 + h), tap (i, j) of tile
+    (r, c) is the first maximum where no earlier tap in row-major order is the maximum, as PyTorch's
+    max_pool2d picks it; a tap below y is not:  below_ij = t[:, i, :, j] < y. Its index in x, flat, is
+
+        2 W r + 2 c + below_00 (1 + below_01 (W - 1 + below_10))       (+0, +1, +W or +W + 1)
+
+    and MaxUnpool puts dy there. Every quarter plane is flat [rows, W/2] (a last axis of 1 would take
+    onnxruntime's slow broadcast), and the taps are slices of contiguous axes: the column splits each
+    row pair, the row split is a copy of whole rows (a strided Slice of x took 2x as long).
+    """
+    n, c, h, w = view.shape(m.x)
+    rows, half = n * c * h // 2, w // 2
+    x, y, dy = b.var(m.x), b.var(m.y), b.var(m.dy)
+    tiles = b.op.Reshape(x, b.ints([rows, 2, half, 2]))
+    flat = b.ints([rows, half])
+    y = b.op.Reshape(y, flat)
+    columns = [b.op.Slice(tiles, b.ints([j]), b.ints([j + 1]), b.ints([3])) for j in (0, 1)]
+
+    def below(i: int, j: int) -> Var:
+        tap = b.op.Reshape(b.op.Slice(columns[j], b.ints([i]), b.ints([i + 1]), b.ints([1])), flat)
+        return b.op.Cast(b.op.Less(tap, y), to=TensorProto.INT64)
+
+    offset = below(0, 0) * (1 + below(0, 1) * (w - 1 + below(1, 0)))
+    starts = b.op.Reshape(b.op.Range(b.int_scalar(0), b.int_scalar(rows * 2 * w), b.int_scalar(2 * w)),
+                          b.ints([rows, 1]))
+    index = starts + (offset + b.const(np.arange(half, dtype=np.int64) * 2))
+    quarter = b.ints([1, 1, rows, half])
+    dx = b.op.MaxUnpool(b.op.Reshape(dy, quarter), b.op.Reshape(index, quarter), kernel_shape=[2, 2],
+                        strides=[2, 2])                                                 # [1, 1, 2 rows, W]
+    return [b.reshape_like(dx, x)]
+
+
+def first_maximum_taps(b: Builder, view: GraphView, m: Match) -> list[Var]:
     """Tap t = (i, j) of every tile is x[..., i::2, j::2]; it is the first maximum where it equals y
-    and no earlier tap did:  hit_t = (x_t == y) and not any_{s<t} (x_s == y);  dx_t = where(hit_t, dy, 0),
-    and the four quarter planes interleave back by two Concats. ``masks="float"`` keeps the masks as 0/1
-    floats (hit_t = eq_t (1 - taken), taken += hit_t, dx_t = dy hit_t) for runtimes without fast And/Or."""
+    and no earlier tap did, with the masks as 0/1 floats for runtimes without MaxUnpool or fast And/Or:
+    hit_t = eq_t (1 - taken), taken += hit_t, dx_t = dy hit_t; the four quarter planes interleave back
+    by two Concats."""
     x, y, dy = b.var(m.x), b.var(m.y), b.var(m.dy)
     axes, steps, ends = b.ints([2, 3]), b.ints([2, 2]), b.ints(view.shape(m.x)[2:])
     earlier = None                                                          # some earlier tap is the max
     taps = []
     for i, j in ((0, 0), (0, 1), (1, 0), (1, 1)):
-        equal = b.op.Equal(b.op.Slice(x, b.ints([i, j]), ends, axes, steps), y)       # [N, C, H/2, W/2]
-        if masks == "float":
-            equal = b.op.Cast(equal, to=x.dtype)
-            hit = equal if earlier is None else equal * (b.scalar(1.0, x) - earlier)
-            earlier = hit if earlier is None else earlier + hit
-            taps.append(b.unsqueeze(dy * hit, [3, 5]))
-            continue
-        hit = equal if earlier is None else b.op.And(equal, b.op.Not(earlier))
-        if (i, j) != (1, 1):
-            earlier = equal if earlier is None else b.op.Or(earlier, equal)
-        taps.append(b.unsqueeze(b.op.Where(hit, dy, b.scalar(0.0, x)), [3, 5]))   # [N, C, H/2, 1, W/2, 1]
+        equal = b.op.Cast(b.op.Equal(b.op.Slice(x, b.ints([i, j]), ends, axes, steps), y), to=x.dtype)
+        hit = equal if earlier is None else equal * (b.scalar(1.0, x) - earlier)
+        earlier = hit if earlier is None else earlier + hit
+        taps.append(b.unsqueeze(dy * hit, [3, 5]))                           # [N, C, H/2, 1, W/2, 1]
     rows = [b.op.Concat(taps[0], taps[1], axis=5), b.op.Concat(taps[2], taps[3], axis=5)]
     return [b.reshape_like(b.op.Concat(*rows, axis=3), x)]                   # [N, C, H/2, 2, W/2, 2]
 
 
-MAX_POOL_TAPS = Rewrite("max_pool_taps", "ScatterElements", max_pool_taps_pattern, max_pool_taps_check,
-                        first_maximum_taps, "2x2 MaxPool's scatter at the Indices as four strided compares with y")
+MAX_POOL_TAPS = Rewrite("max_pool_taps", "ScatterElements", max_pool_taps_pattern, max_pool_unpool_check,
+                        first_maximum_unpooled, "2x2 MaxPool's scatter at the Indices as the first tap not below y, "
+                        "unpooled there")

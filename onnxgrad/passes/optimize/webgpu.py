@@ -220,13 +220,8 @@ CONV_TRANSPOSE_EXPLICIT = Rewrite("conv_transpose_explicit_attributes", "ConvTra
 
 
 # -- MaxPool's gradient without the Indices output -------------------------------------------------------------
-def _float_taps(b: Builder, view: GraphView, m: Match) -> list[Var]:
-    """The first maximum of each 2x2 tile with float masks: hit_t = eq_t (1 - taken), taken += hit_t."""
-    return first_maximum_taps(b, view, m, masks="float")
-
-
 MAX_POOL_TAPS_FLOAT = Rewrite("max_pool_taps_float", "ScatterElements", max_pool_taps_pattern, max_pool_taps_check,
-                              _float_taps, "2x2 MaxPool's scatter at the Indices as strided compares with y, float "
+                              first_maximum_taps, "2x2 MaxPool's scatter at the Indices as strided compares with y, float "
                               "masks (the WebGPU providers fail MaxPool's Indices; JSEP runs And/Or on the CPU)")
 
 
