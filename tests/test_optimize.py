@@ -278,6 +278,44 @@ def test_max_pool_taps_unpools_at_the_first_maximum_with_no_where_or_strided_sli
             assert len(node.input) == 4, node.name                     # no steps input: unit steps
 
 
+def _relu_pool(x: np.ndarray, extra_reader: bool = False) -> tuple[onnx.ModelProto, dict]:
+    """z -> Relu -> 2x2 MaxPool -> y0 (and, with ``extra_reader``, the ReLU's output also summed into y1)."""
+    N = helper.make_node
+    nodes = [N("Relu", ["z"], ["r"], name="relu"), N("MaxPool", ["r"], ["y0"], kernel_shape=[2, 2], strides=[2, 2],
+                                                     name="pool")]
+    outputs = [helper.make_tensor_value_info("y0", TensorProto.FLOAT, None)]
+    if extra_reader:
+        nodes.append(N("ReduceSum", ["r"], ["y1"], keepdims=0, name="sum"))
+        outputs.append(helper.make_tensor_value_info("y1", TensorProto.FLOAT, None))
+    model = make_model(nodes, [helper.make_tensor_value_info("z", TensorProto.FLOAT, list(x.shape))], outputs)
+    return onnx.shape_inference.infer_shapes(model), {"z": x}
+
+
+@pytest.mark.parametrize("z", [randn(2, 3, 4, 6), np.random.default_rng(5).integers(-2, 3, (2, 3, 4, 6)).astype(
+    np.float32)], ids=["distinct", "ties-and-zeros"])
+def test_relu_max_pool_taps(z):
+    """ReLU then a 2x2 MaxPool: the ReLU's mask applied to dy at the pool's resolution gives the canonical
+    gradient exactly, ties and all-zero windows (whose maximum is 0: no gradient) included."""
+    model, feeds = _relu_pool(z)
+    fast = _equivalent(model, feeds, "relu_max_pool_taps", exact=True, wrt=["z"], of=["y0"])
+    ops = _ops(fast)
+    assert ops.count("MaxUnpool") == 1 and "Where" not in ops and "ScatterElements" not in ops
+    greater = next(n for n in fast.graph.node if n.op_type == "Greater")
+    assert greater.input[0] != "r"                          # the mask reads the pooled y, not the ReLU's output
+
+
+def test_relu_max_pool_taps_leaves_a_relu_read_elsewhere_to_max_pool_taps():
+    """A ReLU output something besides the pool reads gets the sum of two gradients: the mask stays on it."""
+    model, feeds = _relu_pool(randn(2, 3, 4, 6), extra_reader=True)
+    gm = onnxgrad.grad(model, wrt=["z"], of=["y0", "y1"])
+    fast, report = optimize(gm, "cpu", first=len(model.graph.node))
+    assert report.count("relu_max_pool_taps") == 0 and report.count("max_pool_taps") == 1, report.applied
+    feeds = _seeded(model, gm, feeds)
+    want, got = _run(gm, feeds), _run(fast, feeds)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
 def test_max_pool_taps_declines_float64_with_a_reason():
     """onnxruntime's MaxUnpool has no float64 kernel: a double pool keeps the canonical scatter."""
     case = Case("MaxPool", [distinct(2, 3, 4, 4).astype(np.float64)], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]))
@@ -373,7 +411,7 @@ def test_cpu_target_matches_the_canonical_graph_on_a_network():
     fast = onnxgrad.grad(model, wrt=["w1", "s", "b", "w2", "fc"], loss="loss", target="cpu")
     onnx.checker.check_model(fast, full_check=True)
     meta = {p.key: p.value for p in fast.metadata_props}
-    for rewrite in ("conv_forward_patches", "conv_weight_grad_patches", "max_pool_taps"):
+    for rewrite in ("conv_forward_patches", "conv_weight_grad_patches", "relu_max_pool_taps"):
         assert rewrite in meta["onnxgrad.rewrites"]
     forward = fast.graph.node[:len(fast.graph.node) - len(backward_nodes(fast))]     # forward first
     assert [n.name for n in forward if n.name in {m.name for m in model.graph.node}] == [

@@ -17,17 +17,12 @@ from ...ir.model import FLOAT_TYPES
 from .rewriter import GraphView, Match, Rewrite
 
 
-def _is_zero(view: GraphView, name: str) -> bool:
-    value = view.value(name)
-    return value is not None and value.size == 1 and float(value.reshape(-1)[0]) == 0.0
-
-
 def _pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
     """Where(mask, a, 0) or Where(mask, 0, a), the zero a scalar constant."""
     mask, first, second = node.input
-    if _is_zero(view, second):
+    if view.is_scalar(second, 0.0):
         return Match(node, [node.output[0]], dict(mask=mask, a=first, negate=False))
-    if _is_zero(view, first):
+    if view.is_scalar(first, 0.0):
         return Match(node, [node.output[0]], dict(mask=mask, a=second, negate=True))
     return None
 

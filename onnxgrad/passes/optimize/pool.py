@@ -7,6 +7,8 @@ at bench_step's CNN's first pool, ``[32, 32, 32, 32]``).
 
 - ``max_pool_taps`` (cpu target): the taps of x's tiles in two contiguous splits, the first one not
   below y as an index, and MaxUnpool puts dy there;
+- ``relu_max_pool_taps`` (cpu target): the same where x = Relu(z) and the pool is all that reads x, with
+  the ReLU's mask applied to dy at the pool's resolution, a quarter of x's, instead of to dx;
 - :func:`first_maximum_taps` (the webgpu target's ``max_pool_taps_float``): float masks per tap,
   interleaved back by Concats.
 """
@@ -31,6 +33,8 @@ def max_pool_taps_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None
     final = view.only_reader(node.output[0], "Reshape")
     if where is None or updates is None or final is None:
         return None
+    if final.output[0] not in view.outputs and not view.readers.get(final.output[0]):
+        return None                     # unread: a relu_max_pool_taps took the gradient it gave
     pool = view.producer.get(where.input[0])
     if pool is None or pool.op_type != "MaxPool" or len(pool.output) < 2 or pool.output[1] != where.input[0]:
         return None
@@ -58,16 +62,19 @@ def max_pool_unpool_check(view: GraphView, m: Match) -> str | None:
     return max_pool_taps_check(view, m)
 
 
-def first_maximum_unpooled(b: Builder, view: GraphView, m: Match) -> list[Var]:
+def first_maximum_unpooled(b: Builder, view: GraphView, m: Match, relu: bool = False) -> list[Var]:
     """With x as tiles t[r, i, c, j] = x[n, k, 2h + i, 2c + j] (r = (n K + k) H/2 + h), tap (i, j) of tile
     (r, c) is the first maximum where no earlier tap in row-major order is the maximum, as PyTorch's
     max_pool2d picks it; a tap below y is not:  below_ij = t[:, i, :, j] < y. Its index in x, flat, is
 
         2 W r + 2 c + below_00 (1 + below_01 (W - 1 + below_10))       (+0, +1, +W or +W + 1)
 
-    and MaxUnpool puts dy there. Every quarter plane is flat [rows, W/2] (a last axis of 1 would take
-    onnxruntime's slow broadcast), and the taps are slices of contiguous axes: the column splits each
-    row pair, the row split is a copy of whole rows (a strided Slice of x took 2x as long).
+    and MaxUnpool puts dy there. The index within the row pair is small and exact in float, where the
+    arithmetic is cheaper than in int64; only the row pair's start is added in int64. Every quarter plane
+    is flat [rows, W/2] (a last axis of 1 would take onnxruntime's slow broadcast), and the taps are
+    slices of contiguous axes: the column splits each row pair, the row split is a copy of whole rows (a
+    strided Slice of x took 2x as long). With ``relu``, x = Relu(z) and the result is dz = dx (x > 0): the
+    first maximum's x is y, so the mask is (y > 0) on dy, a quarter of x's size.
     """
     n, c, h, w = view.shape(m.x)
     rows, half = n * c * h // 2, w // 2
@@ -79,16 +86,34 @@ def first_maximum_unpooled(b: Builder, view: GraphView, m: Match) -> list[Var]:
 
     def below(i: int, j: int) -> Var:
         tap = b.op.Reshape(b.op.Slice(columns[j], b.ints([i]), b.ints([i + 1]), b.ints([1])), flat)
-        return b.op.Cast(b.op.Less(tap, y), to=TensorProto.INT64)
+        return b.op.Cast(b.op.Less(tap, y), to=x.dtype)
 
-    offset = below(0, 0) * (1 + below(0, 1) * (w - 1 + below(1, 0)))
-    starts = b.op.Reshape(b.op.Range(b.int_scalar(0), b.int_scalar(rows * 2 * w), b.int_scalar(2 * w)),
-                          b.ints([rows, 1]))
-    index = starts + (offset + b.const(np.arange(half, dtype=np.int64) * 2))
+    in_pair = below(0, 0) * (1.0 + below(0, 1) * (w - 1.0 + below(1, 0))) + b.const(np.arange(half) * 2.0, x.dtype)
+    starts = b.op.Range(b.int_scalar(0), b.int_scalar(rows * 2 * w), b.int_scalar(2 * w))
+    index = b.op.Reshape(starts, b.ints([rows, 1])) + b.op.Cast(in_pair, to=TensorProto.INT64)
+    if relu:
+        dy = b.op.Reshape(dy, flat) * b.op.Cast(b.op.Greater(y, b.scalar(0.0, x)), to=x.dtype)
     quarter = b.ints([1, 1, rows, half])
     dx = b.op.MaxUnpool(b.op.Reshape(dy, quarter), b.op.Reshape(index, quarter), kernel_shape=[2, 2],
                         strides=[2, 2])                                                 # [1, 1, 2 rows, W]
     return [b.reshape_like(dx, x)]
+
+
+def relu_max_pool_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    """Where(Greater(x, 0), dx, 0), the gradient of x = Relu(z) (:func:`onnxgrad.rules.activations.relu`), where
+    dx is the canonical gradient of a MaxPool of x (:func:`max_pool_taps_pattern`) and nothing else reads it: x
+    has no other reader whose gradient would add to dx."""
+    if len(node.input) != 3 or not view.is_scalar(node.input[2], 0.0):
+        return None
+    mask, final = view.made_by(node.input[0], "Greater"), view.made_by(node.input[1], "Reshape")
+    if mask is None or final is None or not view.is_scalar(mask.input[1], 0.0):
+        return None
+    scatter = view.made_by(final.input[0], "ScatterElements")
+    pooled = max_pool_taps_pattern(view, scatter) if scatter is not None else None
+    if (pooled is None or pooled.root is not final or pooled.x != mask.input[0]
+            or view.made_by(pooled.x, "Relu") is None or view.readers.get(final.output[0]) != [node]):
+        return None
+    return Match(node, [node.output[0]], dict(pooled.values))
 
 
 def first_maximum_taps(b: Builder, view: GraphView, m: Match) -> list[Var]:
@@ -112,3 +137,12 @@ def first_maximum_taps(b: Builder, view: GraphView, m: Match) -> list[Var]:
 MAX_POOL_TAPS = Rewrite("max_pool_taps", "ScatterElements", max_pool_taps_pattern, max_pool_unpool_check,
                         first_maximum_unpooled, "2x2 MaxPool's scatter at the Indices as the first tap not below y, "
                         "unpooled there")
+
+
+def _unpooled_through_relu(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    return first_maximum_unpooled(b, view, m, relu=True)
+
+
+RELU_MAX_POOL_TAPS = Rewrite("relu_max_pool_taps", "Where", relu_max_pool_pattern, max_pool_unpool_check,
+                             _unpooled_through_relu,
+                             "a ReLU's mask under a 2x2 MaxPool's unpooled gradient applied to dy, before the unpool")

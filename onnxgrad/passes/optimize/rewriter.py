@@ -79,6 +79,11 @@ class GraphView:
     def value(self, name: str) -> np.ndarray | None:
         return self.constants.get(name)
 
+    def is_scalar(self, name: str, value: float) -> bool:
+        """Whether ``name`` is a one-element constant equal to ``value``."""
+        found = self.value(name)
+        return found is not None and found.size == 1 and float(found.reshape(-1)[0]) == value
+
     def made_by(self, name: str, op_type: str) -> onnx.NodeProto | None:
         """The node that makes ``name`` when it is an ``op_type`` node of the default domain."""
         node = self.producer.get(name)
