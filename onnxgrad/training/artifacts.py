@@ -696,7 +696,10 @@ class _Builder:
         sizes = [int(np.prod(self.shapes[p], dtype=np.int64)) for p in group]
 
         def flat(values: list[Var]) -> Var:
-            return gb.op.Concat(*[gb.op.Reshape(gb.var(v.name), gb.ints([-1])) for v in values], axis=0)
+            """The group's tensors (one per parameter, in order) as one vector; a vector is taken as it is (a
+            Reshape is a node to run, about 10 us on onnxruntime's CPU: a third of a small update's nodes)."""
+            return gb.op.Concat(*[gb.var(v.name) if len(self.shapes[p]) == 1 else
+                                  gb.op.Reshape(gb.var(v.name), gb.ints([-1])) for v, p in zip(values, group)], axis=0)
 
         names = list(states[group[0]])
         new_p, new_state = optimizer.update(ctx, flat([gb.var(p) for p in group]), flat([grads[p] for p in group]),
@@ -704,7 +707,8 @@ class _Builder:
 
         def pieces(v: Var) -> list[Var]:
             parts = gb.op.Split(v, gb.ints(sizes), axis=0, outputs=len(sizes))
-            return [gb.op.Reshape(part, gb.ints(list(self.shapes[p]))) for part, p in zip(parts, group)]
+            return [part if len(self.shapes[p]) == 1 else gb.op.Reshape(part, gb.ints(list(self.shapes[p])))
+                    for part, p in zip(parts, group)]
 
         split_p = pieces(new_p)
         split_state = {s: pieces(v) for s, v in new_state.items()}
