@@ -1,11 +1,11 @@
 """Speed of each onnxgrad.passes.optimize rewrite against the canonical gradient graph, in onnxruntime (CPU).
 
-For every rewrite, a few one-node forward models at the shapes it was chosen for (ResNet-18 at
-3x112x112 batch 8, bench_step.py's CNN, an MLP's ReLU): the gradient graph with the canonical
-adjoints and the same graph with that rewrite alone (or beside the rewrite it pays with, ``BESIDE``:
-that one applied to both), run interleaved (median [min] of ``--reps``
-runs, ms), with the ratio rewritten / canonical, and the reason where the rewrite declines (then
-both columns time the same graph). A benchmark, not a test: it prints and asserts nothing.
+For every rewrite, a few one-node forward models (a ReLU and the node, for a rewrite of both gradients) at the
+shapes it was chosen for (ResNet-18 at 3x112x112 batch 8, bench_step.py's CNN, an MLP's ReLU): the gradient
+graph with the canonical adjoints and the same graph with that rewrite alone (or beside the rewrites it pays
+with or replaces, ``BESIDE``: those applied to both), run interleaved (median [min] of ``--reps`` runs, ms),
+with the ratio rewritten / canonical, and the reason where the rewrite declines (then both columns time the
+same graph). A benchmark, not a test: it prints and asserts nothing.
 
     PYTHONPATH=. python bench/bench_rewrites.py [--reps 20] [REWRITE ...]
 """
@@ -46,6 +46,15 @@ def _model(op: str, x_shape, w=None, outputs=1, **attrs) -> tuple[onnx.ModelProt
     return m, wrt, feeds
 
 
+def _relu_then(op: str, x_shape, **attrs) -> tuple[onnx.ModelProto, list[str], dict]:
+    """Relu(x) then one ``op`` node: what a rewrite of the two gradients together is timed on."""
+    model, wrt, feeds = _model(op, x_shape, **attrs)
+    g = model.graph
+    g.node[0].input[0] = "r"
+    g.node.insert(0, helper.make_node("Relu", ["x"], ["r"], name="relu"))
+    return model, wrt, feeds
+
+
 def _conv(n, c, m, size, k=3, s=1):
     return _model("Conv", (n, c, size, size), (m, c, k, k), pads=[k // 2] * 4, strides=[s, s])
 
@@ -83,6 +92,11 @@ CASES = {
         ("cnn pool1 2x2 [32,32,32,32]", _model("MaxPool", (32, 32, 32, 32), kernel_shape=[2, 2], strides=[2, 2])),
         ("2x2 [8,64,56,56]", _model("MaxPool", (8, 64, 56, 56), kernel_shape=[2, 2], strides=[2, 2])),
     ],
+    "relu_max_pool_taps": [
+        ("cnn relu1+pool1 2x2 [32,32,32,32]", _relu_then("MaxPool", (32, 32, 32, 32), kernel_shape=[2, 2],
+                                                         strides=[2, 2])),
+        ("relu+2x2 [8,64,56,56]", _relu_then("MaxPool", (8, 64, 56, 56), kernel_shape=[2, 2], strides=[2, 2])),
+    ],
     "where_zero_as_mul": [
         ("relu [8,64,56,56]", _model("Relu", (8, 64, 56, 56))),
         ("relu [64,512]", _model("Relu", (64, 512))),
@@ -90,8 +104,9 @@ CASES = {
 }
 
 
-# what a rewrite is timed against when it only pays beside another one: that one applied on both sides
-BESIDE = {"conv_forward_patches": ["conv_weight_grad_patches"]}
+# what a rewrite is timed against when it only pays beside others, or replaces them: those applied on both sides
+BESIDE = {"conv_forward_patches": ["conv_weight_grad_patches"],
+          "relu_max_pool_taps": ["max_pool_taps", "where_zero_as_mul"]}
 
 
 def _session(model: onnx.ModelProto):
