@@ -380,8 +380,9 @@ def test_batch_norm_training_as_ops_leaves_inference_alone():
 
 
 # -- targets and plumbing ---------------------------------------------------------------------------
-def _small_cnn() -> tuple[onnx.ModelProto, dict]:
-    """conv-bn-relu, overlapping 3x3/2 max-pool, conv, relu, 2x2 max-pool, global pool, linear."""
+def _small_cnn(batch: int | str = 2) -> tuple[onnx.ModelProto, dict]:
+    """conv-bn-relu, overlapping 3x3/2 max-pool, conv, relu, 2x2 max-pool, global pool, linear (``batch`` a name:
+    the batch axis symbolic, as an export's dynamic axis; the feeds have 2 images)."""
     rng = np.random.default_rng(0)
     w = {"w1": rng.standard_normal((8, 3, 3, 3)).astype(np.float32) * 0.3,
          "s": np.ones(8, np.float32), "b": np.zeros(8, np.float32), "m": np.zeros(8, np.float32),
@@ -399,7 +400,7 @@ def _small_cnn() -> tuple[onnx.ModelProto, dict]:
              N("Flatten", ["g"], ["f"], name="flatten"),
              N("Gemm", ["f", "fc"], ["y"], transB=1, name="fc"),
              N("ReduceSumSquare", ["y"], ["loss"], keepdims=0, name="loss")]
-    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 16, 16])],
+    model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 16, 16])],
                        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
                        [numpy_helper.from_array(v, k) for k, v in w.items()])
     return model, {"x": rng.standard_normal((2, 3, 16, 16)).astype(np.float32)}
@@ -421,6 +422,48 @@ def test_cpu_target_matches_the_canonical_graph_on_a_network():
     want, got = _run(canonical, feeds), _run(fast, feeds)
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4 * np.abs(want[name]).max())
+
+
+def test_cpu_rewrites_apply_with_a_symbolic_batch_axis():
+    """An export's dynamic batch axis (torch.onnx.export's dynamic_axes) leaves every other dim static: the
+    rewrites apply as with a static batch (without them bench_step's CNN and ResNet-18 stepped 1.7x slower),
+    and one graph gives the canonical gradients at two batch sizes."""
+    model, feeds = _small_cnn(batch="N")
+    wrt = ["w1", "s", "b", "w2", "fc"]
+    canonical = onnxgrad.grad(model, wrt=wrt, loss="loss")
+    fast = onnxgrad.grad(model, wrt=wrt, loss="loss", target="cpu")
+    onnx.checker.check_model(fast, full_check=True)
+    static = onnxgrad.grad(_small_cnn()[0], wrt=wrt, loss="loss", target="cpu")
+    rewrites = json.loads(_metadata(fast)["onnxgrad.rewrites"])
+    assert rewrites == json.loads(_metadata(static)["onnxgrad.rewrites"])
+    assert {"conv_forward_patches", "conv_weight_grad_patches", "relu_max_pool_taps"} <= set(rewrites)
+    for n in (2, 3):
+        x = {"x": np.random.default_rng(n).standard_normal((n, 3, 16, 16)).astype(np.float32)}
+        want, got = _run(canonical, x), _run(fast, x)
+        for name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-4 * np.abs(want[name]).max(),
+                                       err_msg=f"{name}, batch {n}")
+
+
+def test_depthwise_conv_as_matmul_with_a_symbolic_batch_axis():
+    """The lowering applies with the batch axis symbolic, and one graph gives the canonical gradients at two
+    batch sizes."""
+    model, _, wrt = case_model(DEPTHWISE_CASES[1])
+    for value in (model.graph.input[0], model.graph.output[0]):
+        value.type.tensor_type.shape.dim[0].dim_param = "N"
+    del model.graph.value_info[:]
+    canonical = onnxgrad.grad(model, wrt=wrt, of=["y0"])
+    fast = onnxgrad.grad(model, wrt=wrt, of=["y0"], target="cpu")
+    assert json.loads(_metadata(fast)["onnxgrad.lowered"]) == {"depthwise_conv_as_matmul": 1}
+    rng = np.random.default_rng(4)
+    for n in (1, 3):
+        feeds = {"x0": rng.standard_normal((n, 5, 4, 4)).astype(np.float32),
+                 **{i.name: rng.standard_normal([d.dim_value or n for d in i.type.tensor_type.shape.dim])
+                    .astype(np.float32) for i in canonical.graph.input[1:]}}
+        want, got = _run(canonical, feeds), _run(fast, feeds)
+        for name, value in want.items():
+            np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-5 * float(np.abs(value).max()),
+                                       err_msg=f"{name}, batch {n}")
 
 
 def test_cpu_rewrites_apply_to_a_dynamo_export():

@@ -17,6 +17,12 @@ from .rewriter import GraphView, Match, Rewrite
 
 _PATCH_MAX_ELEMENTS = 1 << 25     # the patches hold taps copies of x: above this, keep the Conv form
 _PATCH_MAX_TAPS = 9               # larger kernels (ResNet's 7x7 stem) measured faster as the Conv form
+_NOMINAL_BATCH = 32               # a batch axis left symbolic (an export's dynamic axis) counts as this many
+
+
+def _batch(dim: int | None) -> int:
+    """A batch dim in a Reshape's target: -1 where it is symbolic."""
+    return -1 if dim is None else dim
 
 
 def _is_swap(node: onnx.NodeProto | None, rank: int) -> bool:
@@ -50,9 +56,9 @@ def _weight_grad_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
 
 
 def _weight_grad_check(view: GraphView, m: Match) -> str | None:
-    xs, ys, ws = view.shape(m.x), view.shape(m.dy), view.shape(m.outputs[0])
+    xs, ys, ws = view.batched_shape(m.x), view.batched_shape(m.dy), view.shape(m.outputs[0])
     if xs is None or ys is None or ws is None:
-        return "x, dy and dW need static shapes"
+        return "x, dy and dW need static shapes (but for the batch axis)"
     if view.info(m.x).dtype not in FLOAT_TYPES:
         return "x is not a float tensor of known type"
     kernel, taps = list(ws[2:]), int(np.prod(ws[2:]))
@@ -64,8 +70,9 @@ def _weight_grad_check(view: GraphView, m: Match) -> str | None:
         out = (xs[2 + i] + m.pads[i] + m.pads[rank + i] - extent) // m.strides[i] + 1
         if out != ys[2 + i]:
             return f"the patches' size {out} along spatial axis {i} is not dy's {ys[2 + i]}"
-    if xs[0] * xs[1] * taps * int(np.prod(ys[2:])) > _PATCH_MAX_ELEMENTS:
-        return f"the patches would exceed {_PATCH_MAX_ELEMENTS} elements"
+    if (xs[0] or _NOMINAL_BATCH) * xs[1] * taps * int(np.prod(ys[2:])) > _PATCH_MAX_ELEMENTS:
+        return (f"the patches would exceed {_PATCH_MAX_ELEMENTS} elements"
+                + ("" if xs[0] else f" at a batch of {_NOMINAL_BATCH} (the batch axis is symbolic)"))
     return None
 
 
@@ -99,8 +106,9 @@ def _weight_grad_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]
     Gemm over (batch, position), or batched MatMuls and a sum over the batch when the positions alone are
     many (no transposes of the patches)."""
     dy = b.var(m.dy)
-    (n, c, *_), (_, out_ch, *o), (_, _, *kernel) = view.shape(m.x), view.shape(m.dy), view.shape(m.outputs[0])
-    taps, positions = int(np.prod(kernel)), int(np.prod(o))
+    (n, c, *_), (_, out_ch, *o) = view.batched_shape(m.x), view.batched_shape(m.dy)
+    kernel = view.shape(m.outputs[0])[2:]
+    taps, positions, batch = int(np.prod(kernel)), int(np.prod(o)), _batch(n)
     patches = _patches(b, view, m.x, c, kernel, m.strides, m.dilations, m.pads)              # [N, C*K, *O]
     if n == 1:
         dw = b.op.Gemm(b.op.Reshape(dy, b.ints([out_ch, positions])),
@@ -108,13 +116,13 @@ def _weight_grad_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]
     elif positions >= 2 * out_ch:
         # patches[b] @ dy[b]^T, not dy[b] @ patches[b]^T: onnxruntime packs the right-hand operand, here the
         # smaller one (the product alone: ResNet's layer1 0.87x, bench_step's CNN conv1 0.88x and conv2 0.95x)
-        per_image = b.op.MatMul(b.op.Reshape(patches, b.ints([n, c * taps, positions])),
-                                b.op.Transpose(b.op.Reshape(dy, b.ints([n, out_ch, positions])),
+        per_image = b.op.MatMul(b.op.Reshape(patches, b.ints([batch, c * taps, positions])),
+                                b.op.Transpose(b.op.Reshape(dy, b.ints([batch, out_ch, positions])),
                                                perm=[0, 2, 1]))                             # [N, C*K, M]
         dw = b.op.Transpose(b.sum(per_image, [0], keepdims=False), perm=[1, 0])
     else:
-        rows = b.op.Transpose(b.op.Reshape(dy, b.ints([n, out_ch, positions])), perm=[1, 0, 2])
-        cols = b.op.Transpose(b.op.Reshape(patches, b.ints([n, c * taps, positions])), perm=[1, 0, 2])
+        rows = b.op.Transpose(b.op.Reshape(dy, b.ints([batch, out_ch, positions])), perm=[1, 0, 2])
+        cols = b.op.Transpose(b.op.Reshape(patches, b.ints([batch, c * taps, positions])), perm=[1, 0, 2])
         dw = b.op.Gemm(b.op.Reshape(rows, b.ints([out_ch, -1])), b.op.Reshape(cols, b.ints([c * taps, -1])),
                        transB=1)                                                              # [M, C*K]
     return [b.op.Reshape(dw, b.ints([out_ch, c, *kernel]))]
@@ -158,7 +166,7 @@ def _forward_check(view: GraphView, m: Match) -> str | None:
     why = _weight_grad_check(view, m.grad)
     if why is not None:
         return f"its weight gradient keeps the swapped-role Conv ({why})"
-    positions = int(np.prod(view.shape(m.grad.dy)[2:]))
+    positions = int(np.prod(view.batched_shape(m.grad.dy)[2:]))
     if positions > _FORWARD_MAX_POSITIONS:
         return f"{positions} positions per image: the Conv is as fast above {_FORWARD_MAX_POSITIONS}"
     return None
@@ -169,12 +177,13 @@ def _forward_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
     input (updated every step) has no fast layout (its NCHWc kernels need a constant weight) and makes im2col
     patches of its own; these come from a Conv with a constant kernel, and the weight gradient reads them
     instead of making them again."""
-    (n, c, *_), (out_ch, _, *kernel), (_, _, *o) = view.shape(m.x), view.shape(m.grad.outputs[0]), view.shape(m.grad.dy)
-    taps, positions = int(np.prod(kernel)), int(np.prod(o))
+    (n, c, *_), (out_ch, _, *kernel) = view.batched_shape(m.x), view.shape(m.grad.outputs[0])
+    o = view.batched_shape(m.grad.dy)[2:]
+    taps, positions, batch = int(np.prod(kernel)), int(np.prod(o)), _batch(n)
     patches = _patches(b, view, m.x, c, kernel, m.strides, m.dilations, m.pads)
     y = b.op.MatMul(b.op.Reshape(b.var(m.w), b.ints([out_ch, c * taps])),
-                    b.op.Reshape(patches, b.ints([n, c * taps, positions])))                 # [N, M, L]
-    y = b.op.Reshape(y, b.ints([n, out_ch, *o]))
+                    b.op.Reshape(patches, b.ints([batch, c * taps, positions])))             # [N, M, L]
+    y = b.op.Reshape(y, b.ints([batch, out_ch, *o]))
     if m.bias:
         y = y + b.op.Reshape(b.var(m.bias), b.ints([out_ch] + [1] * len(o)))
     return [y]

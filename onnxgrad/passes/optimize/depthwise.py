@@ -42,9 +42,9 @@ def _pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
 
 
 def _check(view: GraphView, m: Match) -> str | None:
-    xs, ys = view.shape(m.x), view.shape(m.outputs[0])
+    xs, ys = view.batched_shape(m.x), view.batched_shape(m.outputs[0])
     if xs is None or ys is None:
-        return "x and y need static shapes"
+        return "x and y need static shapes (but for the batch axis)"
     if view.info(m.x).dtype not in FLOAT_TYPES:
         return "x is not a float tensor of known type"
     if xs[2] * xs[3] > _MAX_POSITIONS:
@@ -68,7 +68,8 @@ def tap_matrix(image: tuple[int, int], out: tuple[int, int], kernel: tuple[int, 
 
 
 def _replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
-    (n, c, h, w), (_, _, oh, ow) = view.shape(m.x), view.shape(m.outputs[0])
+    (n, c, h, w), (_, _, oh, ow) = view.batched_shape(m.x), view.batched_shape(m.outputs[0])
+    batch = -1 if n is None else n                                     # a symbolic batch axis
     kernel = tuple(view.shape(m.w)[2:])
     node = m.root
     strides, dilations = view.attr(node, "strides", [1, 1]), view.attr(node, "dilations", [1, 1])
@@ -78,8 +79,8 @@ def _replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
                    x.dtype)                                                                   # S [K, P*O]
     per_channel = b.op.Reshape(b.op.MatMul(b.op.Reshape(b.var(m.w), b.ints([c, -1])), taps),
                                b.ints([c, h * w, oh * ow]))                                   # T [C, P, O]
-    rows = b.op.Transpose(b.op.Reshape(x, b.ints([n, c, h * w])), perm=[1, 0, 2])           # [C, N, P]
-    y = b.op.Reshape(b.op.Transpose(b.op.MatMul(rows, per_channel), perm=[1, 0, 2]), b.ints([n, c, oh, ow]))
+    rows = b.op.Transpose(b.op.Reshape(x, b.ints([batch, c, h * w])), perm=[1, 0, 2])       # [C, N, P]
+    y = b.op.Reshape(b.op.Transpose(b.op.MatMul(rows, per_channel), perm=[1, 0, 2]), b.ints([batch, c, oh, ow]))
     if m.bias:
         y = y + b.op.Reshape(b.var(m.bias), b.ints([c, 1, 1]))
     return [y]

@@ -43,7 +43,7 @@ def max_pool_taps_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None
 
 
 def max_pool_taps_check(view: GraphView, m: Match) -> str | None:
-    pool, shape = m.pool, view.shape(m.x)
+    pool, shape = m.pool, view.batched_shape(m.x)
     if view.info(m.x).dtype not in _TAP_TYPES:
         return "x is neither float nor double"
     if (view.attr(pool, "kernel_shape") != [2, 2] or view.attr(pool, "strides") != [2, 2]
@@ -52,7 +52,7 @@ def max_pool_taps_check(view: GraphView, m: Match) -> str | None:
             or view.attr(pool, "storage_order", 0) != 0):
         return "not 2x2 windows with stride 2 and no pads"
     if shape is None or len(shape) != 4 or shape[2] % 2 or shape[3] % 2:
-        return "x's spatial shape is not static and even"
+        return "x's spatial shape is not static and even (or its channels are not static)"
     return None
 
 
@@ -76,8 +76,8 @@ def first_maximum_unpooled(b: Builder, view: GraphView, m: Match, relu: bool = F
     strided Slice of x took 2x as long). With ``relu``, x = Relu(z) and the result is dz = dx (x > 0): the
     first maximum's x is y, so the mask is (y > 0) on dy, a quarter of x's size.
     """
-    n, c, h, w = view.shape(m.x)
-    rows, half = n * c * h // 2, w // 2
+    n, c, h, w = view.batched_shape(m.x)
+    rows, half = (-1 if n is None else n * c * h // 2), w // 2           # -1: a symbolic batch axis
     x, y, dy = b.var(m.x), b.var(m.y), b.var(m.dy)
     tiles = b.op.Reshape(x, b.ints([rows, 2, half, 2]))
     flat = b.ints([rows, half])
@@ -89,7 +89,8 @@ def first_maximum_unpooled(b: Builder, view: GraphView, m: Match, relu: bool = F
         return b.op.Cast(b.op.Less(tap, y), to=x.dtype)
 
     in_pair = below(0, 0) * (1.0 + below(0, 1) * (w - 1.0 + below(1, 0))) + b.const(np.arange(half) * 2.0, x.dtype)
-    starts = b.op.Range(b.int_scalar(0), b.int_scalar(rows * 2 * w), b.int_scalar(2 * w))
+    size = b.op.Size(x) if n is None else b.int_scalar(rows * 2 * w)                      # = rows 2W
+    starts = b.op.Range(b.int_scalar(0), size, b.int_scalar(2 * w))
     index = b.op.Reshape(starts, b.ints([rows, 1])) + b.op.Cast(in_pair, to=TensorProto.INT64)
     if relu:
         dy = b.op.Reshape(dy, flat) * b.op.Cast(b.op.Greater(y, b.scalar(0.0, x)), to=x.dtype)
@@ -122,7 +123,7 @@ def first_maximum_taps(b: Builder, view: GraphView, m: Match) -> list[Var]:
     hit_t = eq_t (1 - taken), taken += hit_t, dx_t = dy hit_t; the four quarter planes interleave back
     by two Concats."""
     x, y, dy = b.var(m.x), b.var(m.y), b.var(m.dy)
-    axes, steps, ends = b.ints([2, 3]), b.ints([2, 2]), b.ints(view.shape(m.x)[2:])
+    axes, steps, ends = b.ints([2, 3]), b.ints([2, 2]), b.ints(view.batched_shape(m.x)[2:])
     earlier = None                                                          # some earlier tap is the max
     taps = []
     for i, j in ((0, 0), (0, 1), (1, 0), (1, 1)):

@@ -76,6 +76,14 @@ class GraphView:
         info = self.info(name)
         return tuple(info.shape) if info.static else None
 
+    def batched_shape(self, name: str) -> tuple[int | None, ...] | None:
+        """The shape of ``name`` where only the first (batch) dim may be unknown, None there (an export's
+        dynamic batch axis); None when another dim is unknown."""
+        shape = self.info(name).shape
+        if shape is None or not shape or None in shape[1:]:
+            return None
+        return tuple(shape)
+
     def value(self, name: str) -> np.ndarray | None:
         return self.constants.get(name)
 
