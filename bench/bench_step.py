@@ -26,7 +26,8 @@ line under each model splits both steps into the update (step - gradient) and th
 Another gives the same forward with its weights as graph inputs, as the step binds them (no weight prepacked or
 reordered for the NCHWc convolutions, no batch norm folded into a Conv: what no training step can use) and the
 step and gradient over it: the ratio that a step's arithmetic, about three forwards, bounds from below.
-``--recompute`` adds the step of a
+Another times the same step with the batch axis symbolic, as an export with a dynamic batch axis has it (the
+CPU rewrites once declined it: the CNN's and ResNet-18's steps 1.7x). ``--recompute`` adds the step of a
 ``TrainingSession(recompute=True)`` (:mod:`onnxgrad.passes.recompute`). Every framework runs with 2 intra-op threads
 (``BENCH_THREADS``) whose idle threads block rather than spin: on shared,
 oversubscribed cores (where this was written) spinning threads stall the other
@@ -467,11 +468,28 @@ def ort_session(model: onnx.ModelProto, profile: str | None = None):
                                 providers=["CPUExecutionProvider"])
 
 
-def training_session(bench: Bench, profile: str | None = None, recompute: bool = False):
+def with_symbolic_batch(model: onnx.ModelProto, weights: dict[str, np.ndarray]) -> onnx.ModelProto:
+    """``model`` with the first axis of its data inputs and outputs symbolic, as torch.onnx.export's dynamic_axes
+    (or dynamic_shapes) writes a batch axis; every other dim as it was."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for value in [*out.graph.input, *out.graph.output]:
+        dims = value.type.tensor_type.shape.dim
+        if value.name not in weights and len(dims):
+            dims[0].Clear()
+            dims[0].dim_param = "batch"
+    del out.graph.value_info[:]
+    return out
+
+
+def training_session(bench: Bench, profile: str | None = None, recompute: bool = False, symbolic_batch: bool = False):
     from onnxgrad import TrainingSession, optim
 
     options = {"recompute": True} if recompute else {}      # older onnxgrad versions have no recompute
-    return TrainingSession(bench.forward, loss=bench.loss, optimizer=optim.AdamW(lr=1e-3),
+    forward = bench.forward
+    if symbolic_batch:
+        forward = with_symbolic_batch(forward, bench.weights)
+    return TrainingSession(forward, loss=bench.loss, optimizer=optim.AdamW(lr=1e-3),
                            providers=["CPUExecutionProvider"], session_options=session_options(profile), **options)
 
 
@@ -537,6 +555,9 @@ def measure(bench: Bench, reps: int, warmup: int, with_torch: bool, with_compile
         "gradient": lambda: gsess.run(gnames, {**all_feeds, **weights}),
         "step": lambda: ts.step(all_feeds),
     }
+    # the same step with the batch axis symbolic, as an export with a dynamic batch axis trains
+    ts_symbolic = training_session(bench, symbolic_batch=True)
+    runs["step_symbolic_batch"] = lambda: ts_symbolic.step(all_feeds)
     if with_recompute:
         ts_recompute = training_session(bench, recompute=True)
         runs["recompute"] = lambda: ts_recompute.step(all_feeds)
@@ -633,10 +654,11 @@ def print_profile(path: str, title: str, reps: int, top: int = 15) -> None:
 
 
 # -- the figures a run publishes, and the comparison with the published ones ----------------------------
-RATIOS = ("step/eager", "step/compile", "step/forward", "memory/eager")
+RATIOS = ("step/eager", "step/compile", "step/forward", "memory/eager", "symbolic_batch/step")
 COLUMNS = {"forward": "forward", "forward_inputs": "forward_weights_as_inputs", "gradient": "gradient",
            "step": "step", "torch": "eager",
-           "torch_gradient": "eager_gradient", "compile": "compile", "recompute": "recompute"}
+           "torch_gradient": "eager_gradient", "compile": "compile", "recompute": "recompute",
+           "step_symbolic_batch": "step_symbolic_batch"}
 
 
 def figures(r: dict) -> dict:
@@ -648,6 +670,8 @@ def figures(r: dict) -> dict:
         if key in ms:
             out[f"{column}_ms"], out[f"{column}_min_ms"] = ms[key], lo[key]
     out["step/forward"] = ms["step"] / ms["forward"]
+    if "step_symbolic_batch" in ms:
+        out["symbolic_batch/step"] = ms["step_symbolic_batch"] / ms["step"]
     if "forward_inputs" in ms:
         out["step/forward_weights_as_inputs"] = ms["step"] / ms["forward_inputs"]
     for column in ("eager", "compile"):
@@ -751,6 +775,9 @@ def main(argv: list[str]) -> None:
                   f"ms ({ms['forward_inputs'] / ms['forward']:.2f} x the forward); the step is "
                   f"{ms['step'] / ms['forward_inputs']:.2f} of it, the gradient {ms['gradient'] / ms['forward_inputs']:.2f}",
                   flush=True)
+        if "step_symbolic_batch" in ms:
+            print(f"    the step with the batch axis symbolic (an export's dynamic axis): {cell('step_symbolic_batch')} "
+                  f"ms, {ms['step_symbolic_batch'] / ms['step']:.2f} x the step", flush=True)
         if "torch_gradient" in ms:
             print(f"    the update, step - gradient: ours {ms['step'] - ms['gradient']:.2f} ms, PyTorch's "
                   f"{ms['torch'] - ms['torch_gradient']:.2f} (its step without AdamW.step: "
