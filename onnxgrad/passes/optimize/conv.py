@@ -13,16 +13,11 @@ import onnx
 
 from ...ir.builder import Builder, Var
 from ...ir.model import FLOAT_TYPES
-from .rewriter import GraphView, Match, Rewrite
+from .rewriter import GraphView, Match, Rewrite, batch_target
 
 _PATCH_MAX_ELEMENTS = 1 << 25     # the patches hold taps copies of x: above this, keep the Conv form
 _PATCH_MAX_TAPS = 9               # larger kernels (ResNet's 7x7 stem) measured faster as the Conv form
 _NOMINAL_BATCH = 32               # a batch axis left symbolic (an export's dynamic axis) counts as this many
-
-
-def _batch(dim: int | None) -> int:
-    """A batch dim in a Reshape's target: -1 where it is symbolic."""
-    return -1 if dim is None else dim
 
 
 def _is_swap(node: onnx.NodeProto | None, rank: int) -> bool:
@@ -108,7 +103,7 @@ def _weight_grad_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]
     dy = b.var(m.dy)
     (n, c, *_), (_, out_ch, *o) = view.batched_shape(m.x), view.batched_shape(m.dy)
     kernel = view.shape(m.outputs[0])[2:]
-    taps, positions, batch = int(np.prod(kernel)), int(np.prod(o)), _batch(n)
+    taps, positions, batch = int(np.prod(kernel)), int(np.prod(o)), batch_target(n)
     patches = _patches(b, view, m.x, c, kernel, m.strides, m.dilations, m.pads)              # [N, C*K, *O]
     if n == 1:
         dw = b.op.Gemm(b.op.Reshape(dy, b.ints([out_ch, positions])),
@@ -179,7 +174,7 @@ def _forward_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
     instead of making them again."""
     (n, c, *_), (out_ch, _, *kernel) = view.batched_shape(m.x), view.shape(m.grad.outputs[0])
     o = view.batched_shape(m.grad.dy)[2:]
-    taps, positions, batch = int(np.prod(kernel)), int(np.prod(o)), _batch(n)
+    taps, positions, batch = int(np.prod(kernel)), int(np.prod(o)), batch_target(n)
     patches = _patches(b, view, m.x, c, kernel, m.strides, m.dilations, m.pads)
     y = b.op.MatMul(b.op.Reshape(b.var(m.w), b.ints([out_ch, c * taps])),
                     b.op.Reshape(patches, b.ints([batch, c * taps, positions])))             # [N, M, L]

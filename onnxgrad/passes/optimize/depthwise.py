@@ -21,7 +21,7 @@ import onnx
 
 from ...ir.builder import Builder, Var
 from ...ir.model import FLOAT_TYPES
-from .rewriter import GraphView, Match, Rewrite
+from .rewriter import GraphView, Match, Rewrite, batch_target
 
 # the image's positions. At 64 (8x8) the MatMuls' forward alone is a little slower than the Conv (0.32-0.42 ms against
 # 0.28) but the step as fast or faster (EfficientNet-B0 57.1 ms at 64, 58.3 at 16, 66.7 without); at 256 (16x16)
@@ -69,7 +69,7 @@ def tap_matrix(image: tuple[int, int], out: tuple[int, int], kernel: tuple[int, 
 
 def _replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
     (n, c, h, w), (_, _, oh, ow) = view.batched_shape(m.x), view.batched_shape(m.outputs[0])
-    batch = -1 if n is None else n                                     # a symbolic batch axis
+    batch = batch_target(n)
     kernel = tuple(view.shape(m.w)[2:])
     node = m.root
     strides, dilations = view.attr(node, "strides", [1, 1]), view.attr(node, "dilations", [1, 1])

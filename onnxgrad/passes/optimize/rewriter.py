@@ -22,6 +22,12 @@ from ...ir.builder import Builder, Var
 from ...ir.model import NameScope, TensorInfo, rename_tensors
 
 
+def batch_target(dim: int | None) -> int:
+    """A batch dim in a Reshape's target shape (:meth:`GraphView.batched_shape`'s first): -1 where it is
+    symbolic."""
+    return -1 if dim is None else dim
+
+
 class GraphView:
     """Use-def facts about a graph for patterns: producer and readers of a tensor, its static type and
     shape, its value when constant, and a node's attributes."""
