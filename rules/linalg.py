@@ -109,6 +109,12 @@ def _swap_last(n: Node, x: Var) -> Var:
     return n.op.Transpose(x, perm=list(range(r - 2)) + [r - 1, r - 2])
 
 
+def _matrix_axes(n: Node) -> tuple[int, int]:
+    """The product's row and column axes, which no operand broadcasts along."""
+    rank = len(_batch_dims(n)) + 2
+    return rank - 2, rank - 1
+
+
 def _matmul_grad_a(n: Node, a: Var, b: Var, dy: Var) -> Var:
     """dA = dY @ B^T (Gemm transB=1 in 2-D), summed over the batch dims A was broadcast along."""
     if a.rank == 2 and b.rank == 2:
@@ -116,7 +122,7 @@ def _matmul_grad_a(n: Node, a: Var, b: Var, dy: Var) -> Var:
     da = n.op.MatMul(dy, _swap_last(n, b))
     if b.rank == 2:
         return da                                             # A's batch dims are Y's
-    return n.b.unbroadcast(n.b.with_shape(da, _batch_dims(n) + tuple(a.shape[-2:])), a)
+    return n.b.unbroadcast(n.b.with_shape(da, _batch_dims(n) + tuple(a.shape[-2:])), a, _matrix_axes(n))
 
 
 def _matmul_grad_b(n: Node, a: Var, b: Var, dy: Var) -> Var:
@@ -130,7 +136,7 @@ def _matmul_grad_b(n: Node, a: Var, b: Var, dy: Var) -> Var:
         db = _gemm(n, rows_a, rows_dy, transA=1)                  # [k, n]
         return db if b.rank == 2 else n.b.reshape_like(db, b)
     db = n.op.MatMul(_swap_last(n, a), dy)
-    return n.b.unbroadcast(n.b.with_shape(db, _batch_dims(n) + tuple(b.shape[-2:])), b)
+    return n.b.unbroadcast(n.b.with_shape(db, _batch_dims(n) + tuple(b.shape[-2:])), b, _matrix_axes(n))
 
 
 def _matmul_vector_times_matrix(n: Node, a: Var, b: Var, dy: Var):

@@ -567,14 +567,18 @@ class Builder:
         self.infos[v.name] = TensorInfo(None if info is None else info.dtype, merged)
         return v
 
-    def unbroadcast(self, grad: Var, target: Var) -> Var:
-        """Sum ``grad`` (shaped like the broadcast result: its recorded shape) back to ``target``'s shape.
+    def unbroadcast(self, grad: Var, target: Var, kept: Iterable[int] = ()) -> Var:
+        """Sum ``grad`` (shaped like the broadcast result: its recorded shape) back to ``target``'s shape;
+        ``kept``: axes of ``grad`` known not to be broadcast for ``target`` (the result's dim there is
+        ``target``'s: a matrix product's rows and columns, a symbolic dim both share).
 
         Static shapes: ReduceSum over the broadcast axes, computed here, and a
-        Reshape; nothing at all when the shapes already match. Unknown dims:
-        the same axes computed in the graph (Shape, Equal, NonZero) and
+        Reshape; nothing at all when the shapes already match. An unknown dim of
+        ``target`` (an export's symbolic batch axis) outside ``kept`` leaves the
+        axes to the run time: computed in the graph (Shape, Equal, NonZero) and
         ReduceSum with noop_with_empty_axes.
         """
+        kept = set(kept)
         ts = target.shape
         gs = grad.shape
         if ts is not None and ts == gs and None not in ts:
@@ -584,6 +588,8 @@ class Builder:
             axes = list(range(lead))
             decidable = True
             for i, (d, g) in enumerate(zip(ts, gs[lead:])):
+                if lead + i in kept:
+                    continue
                 if d == 1 and g != 1:
                     axes.append(lead + i)   # summing a size-1 axis is right even if g is 1 at run time
                 elif d is None and g != 1:

@@ -85,6 +85,13 @@ def grad(
             gc.enable()
 
 
+def _dim_names(tp: onnx.TypeProto | None) -> dict[int, str]:
+    """The symbolic dims (dim_param) of a tensor type, by axis."""
+    if tp is None or not tp.HasField("tensor_type") or not tp.tensor_type.HasField("shape"):
+        return {}
+    return {k: d.dim_param for k, d in enumerate(tp.tensor_type.shape.dim) if d.HasField("dim_param") and d.dim_param}
+
+
 def _has_shape(tp: onnx.TypeProto) -> bool:
     """A shape every dim of which is known (a value or a symbol): dims left empty are not trusted."""
     return (tp.HasField("tensor_type") and tp.tensor_type.HasField("shape")
@@ -385,8 +392,31 @@ class _Pass:
                 if not isinstance(g, (SequenceGrad, Update)) or M.container_kind(self.infos.get(node.input[i])) is None:
                     raise RuleError(f"rule for {node.op_type} returned {type(g).__name__} for input {i}")
             elif rule.broadcast:        # a broadcasting rule's gradient has the output's shape
-                g = b.unbroadcast(b.with_shape(g, b.var(node.output[0])), b.var(node.input[i]))
+                g = b.unbroadcast(b.with_shape(g, b.var(node.output[0])), b.var(node.input[i]),
+                                  self._not_broadcast(node, i))
             self.contributions.setdefault(node.input[i], []).append(g)
+
+    def _not_broadcast(self, node: onnx.NodeProto, i: int) -> set[int]:
+        """Axes of ``node``'s output along which its input ``i`` is not broadcast, where that input's dim is
+        unknown (an export's symbolic batch axis): the output's dim there is the same symbol, or every other
+        input lacks the axis or has 1 there."""
+        out, mine = self.infos.get(node.output[0]), self.infos.get(node.input[i])
+        if out is None or mine is None or out.shape is None or mine.shape is None:
+            return set()
+        rank, lead = len(out.shape), len(out.shape) - len(mine.shape)
+        names = _dim_names(self.types.get(node.output[0])), _dim_names(self.types.get(node.input[i]))
+        others = [self.infos.get(x) for j, x in enumerate(node.input) if j != i and x]
+        kept = set()
+        for axis in range(max(lead, 0), rank):
+            if mine.shape[axis - lead] is not None:
+                continue
+            named = names[0].get(axis) is not None and names[0].get(axis) == names[1].get(axis - lead)
+            ones = all(o is not None and o.shape is not None and
+                       (axis - (rank - len(o.shape)) < 0 or o.shape[axis - (rank - len(o.shape))] == 1)
+                       for o in others)
+            if named or ones:
+                kept.add(axis)
+        return kept
 
     # -- 4. the result -----------------------------------------------------------------
     def _value_info(self, name: str, like: str, doc: str = "") -> onnx.ValueInfoProto:
