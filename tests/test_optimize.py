@@ -223,10 +223,12 @@ def test_conv_input_grad_col2im_declines_with_a_reason(case, reason):
 # -- max_pool_taps ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("x", [distinct(2, 3, 4, 6), np.random.default_rng(3).integers(0, 3, (2, 3, 4, 6)).astype(
     np.float32)], ids=["distinct", "ties"])
-def test_max_pool_taps(x):
-    """2x2 tiles, ties included: exactly the canonical scatter at the Indices (the first maximum)."""
+@pytest.mark.parametrize("rewrite", ["max_pool_taps", "max_pool_taps_float"])
+def test_max_pool_taps(x, rewrite):
+    """2x2 tiles, ties included: exactly the canonical scatter at the Indices (the first maximum), for the cpu
+    target's unpool and the webgpu target's float masks."""
     case = Case("MaxPool", [x], attrs=dict(kernel_shape=[2, 2], strides=[2, 2]))
-    fast = _case(case, "max_pool_taps", exact=True)
+    fast = _case(case, rewrite, exact=True)
     assert len(fast.graph.node[0].output) == 1          # the forward pool computes no Indices
     assert not any(op.startswith("Scatter") for op in _ops(fast))
 

@@ -9,8 +9,8 @@ at bench_step's CNN's first pool, ``[32, 32, 32, 32]``).
   below y as an index, and MaxUnpool puts dy there;
 - ``relu_max_pool_taps`` (cpu target): the same where x = Relu(z) and the pool is all that reads x, with
   the ReLU's mask applied to dy at the pool's resolution, a quarter of x's, instead of to dx;
-- :func:`first_maximum_taps` (the webgpu target's ``max_pool_taps_float``): float masks per tap,
-  interleaved back by Concats.
+- :func:`first_maximum_taps` (the webgpu target's ``max_pool_taps_float``): the same taps, float masks per
+  tap, interleaved back by Concats.
 """
 from __future__ import annotations
 
@@ -62,39 +62,46 @@ def max_pool_unpool_check(view: GraphView, m: Match) -> str | None:
     return max_pool_taps_check(view, m)
 
 
+def _tiles(b: Builder, view: GraphView, m: Match) -> tuple[int, int, Var, Var, dict[tuple[int, int], Var]]:
+    """x as tiles t[r, i, c, j] = x[n, k, 2h + i, 2c + j] (r = (n K + k) H/2 + h): (rows, W, y and dy as flat
+    [rows, W/2] planes, the taps (i, j) -> t[:, i, :, j] as such planes). Every plane is flat (a last axis of
+    1 would take onnxruntime's slow broadcast), and the taps are slices of contiguous axes: the column splits
+    each row pair, the row split is a copy of whole rows (a strided Slice of x took 2x as long)."""
+    n, c, h, w = view.batched_shape(m.x)
+    rows, half = (-1 if n is None else n * c * h // 2), w // 2           # -1: a symbolic batch axis
+    tiles = b.op.Reshape(b.var(m.x), b.ints([rows, 2, half, 2]))
+    flat = b.ints([rows, half])
+    columns = [b.op.Slice(tiles, b.ints([j]), b.ints([j + 1]), b.ints([3])) for j in (0, 1)]
+    taps = {(i, j): b.op.Reshape(b.op.Slice(columns[j], b.ints([i]), b.ints([i + 1]), b.ints([1])), flat)
+            for i in (0, 1) for j in (0, 1)}
+    return rows, w, b.op.Reshape(b.var(m.y), flat), b.op.Reshape(b.var(m.dy), flat), taps
+
+
 def first_maximum_unpooled(b: Builder, view: GraphView, m: Match, relu: bool = False) -> list[Var]:
-    """With x as tiles t[r, i, c, j] = x[n, k, 2h + i, 2c + j] (r = (n K + k) H/2 + h), tap (i, j) of tile
-    (r, c) is the first maximum where no earlier tap in row-major order is the maximum, as PyTorch's
-    max_pool2d picks it; a tap below y is not:  below_ij = t[:, i, :, j] < y. Its index in x, flat, is
+    """Tap (i, j) of tile (r, c) (:func:`_tiles`) is the first maximum where no earlier tap in row-major order
+    is the maximum, as PyTorch's max_pool2d picks it; a tap below y is not:  below_ij = t[:, i, :, j] < y.
+    Its index in x, flat, is
 
         2 W r + 2 c + below_00 (1 + below_01 (W - 1 + below_10))       (+0, +1, +W or +W + 1)
 
     and MaxUnpool puts dy there. The index within the row pair is small and exact in float, where the
-    arithmetic is cheaper than in int64; only the row pair's start is added in int64. Every quarter plane
-    is flat [rows, W/2] (a last axis of 1 would take onnxruntime's slow broadcast), and the taps are
-    slices of contiguous axes: the column splits each row pair, the row split is a copy of whole rows (a
-    strided Slice of x took 2x as long). With ``relu``, x = Relu(z) and the result is dz = dx (x > 0): the
-    first maximum's x is y, so the mask is (y > 0) on dy, a quarter of x's size.
+    arithmetic is cheaper than in int64; only the row pair's start is added in int64. With ``relu``, x =
+    Relu(z) and the result is dz = dx (x > 0): the first maximum's x is y, so the mask is (y > 0) on dy, a
+    quarter of x's size.
     """
-    n, c, h, w = view.batched_shape(m.x)
-    rows, half = (-1 if n is None else n * c * h // 2), w // 2           # -1: a symbolic batch axis
-    x, y, dy = b.var(m.x), b.var(m.y), b.var(m.dy)
-    tiles = b.op.Reshape(x, b.ints([rows, 2, half, 2]))
-    flat = b.ints([rows, half])
-    y = b.op.Reshape(y, flat)
-    columns = [b.op.Slice(tiles, b.ints([j]), b.ints([j + 1]), b.ints([3])) for j in (0, 1)]
+    x = b.var(m.x)
+    rows, w, y, dy, taps = _tiles(b, view, m)
 
     def below(i: int, j: int) -> Var:
-        tap = b.op.Reshape(b.op.Slice(columns[j], b.ints([i]), b.ints([i + 1]), b.ints([1])), flat)
-        return b.op.Cast(b.op.Less(tap, y), to=x.dtype)
+        return b.op.Cast(b.op.Less(taps[i, j], y), to=x.dtype)
 
-    in_pair = below(0, 0) * (1.0 + below(0, 1) * (w - 1.0 + below(1, 0))) + b.const(np.arange(half) * 2.0, x.dtype)
-    size = b.op.Size(x) if n is None else b.int_scalar(rows * 2 * w)                      # = rows 2W
+    in_pair = below(0, 0) * (1.0 + below(0, 1) * (w - 1.0 + below(1, 0))) + b.const(np.arange(w // 2) * 2.0, x.dtype)
+    size = b.op.Size(x) if rows == -1 else b.int_scalar(rows * 2 * w)                     # = rows 2W
     starts = b.op.Range(b.int_scalar(0), size, b.int_scalar(2 * w))
     index = b.op.Reshape(starts, b.ints([rows, 1])) + b.op.Cast(in_pair, to=TensorProto.INT64)
     if relu:
-        dy = b.op.Reshape(dy, flat) * b.op.Cast(b.op.Greater(y, b.scalar(0.0, x)), to=x.dtype)
-    quarter = b.ints([1, 1, rows, half])
+        dy = dy * b.op.Cast(b.op.Greater(y, b.scalar(0.0, x)), to=x.dtype)
+    quarter = b.ints([1, 1, rows, w // 2])
     dx = b.op.MaxUnpool(b.op.Reshape(dy, quarter), b.op.Reshape(index, quarter), kernel_shape=[2, 2],
                         strides=[2, 2])                                                 # [1, 1, 2 rows, W]
     return [b.reshape_like(dx, x)]
@@ -118,21 +125,21 @@ def relu_max_pool_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None
 
 
 def first_maximum_taps(b: Builder, view: GraphView, m: Match) -> list[Var]:
-    """Tap t = (i, j) of every tile is x[..., i::2, j::2]; it is the first maximum where it equals y
-    and no earlier tap did, with the masks as 0/1 floats for runtimes without MaxUnpool or fast And/Or:
-    hit_t = eq_t (1 - taken), taken += hit_t, dx_t = dy hit_t; the four quarter planes interleave back
-    by two Concats."""
-    x, y, dy = b.var(m.x), b.var(m.y), b.var(m.dy)
-    axes, steps, ends = b.ints([2, 3]), b.ints([2, 2]), b.ints(view.batched_shape(m.x)[2:])
+    """Tap t = (i, j) of every tile (:func:`_tiles`) is the first maximum where it equals y and no earlier tap
+    did, with the masks as 0/1 floats for runtimes without MaxUnpool or fast And/Or: hit_t = eq_t (1 - taken),
+    taken += hit_t, dx_t = dy hit_t; the four quarter planes interleave back by Concats of the tiles' axes."""
+    x = b.var(m.x)
+    rows, w, y, dy, taps = _tiles(b, view, m)
     earlier = None                                                          # some earlier tap is the max
-    taps = []
+    quarter = b.ints([rows, 1, w // 2, 1])
+    parts = {}
     for i, j in ((0, 0), (0, 1), (1, 0), (1, 1)):
-        equal = b.op.Cast(b.op.Equal(b.op.Slice(x, b.ints([i, j]), ends, axes, steps), y), to=x.dtype)
+        equal = b.op.Cast(b.op.Equal(taps[i, j], y), to=x.dtype)
         hit = equal if earlier is None else equal * (b.scalar(1.0, x) - earlier)
         earlier = hit if earlier is None else earlier + hit
-        taps.append(b.unsqueeze(dy * hit, [3, 5]))                           # [N, C, H/2, 1, W/2, 1]
-    rows = [b.op.Concat(taps[0], taps[1], axis=5), b.op.Concat(taps[2], taps[3], axis=5)]
-    return [b.reshape_like(b.op.Concat(*rows, axis=3), x)]                   # [N, C, H/2, 2, W/2, 2]
+        parts[i, j] = b.op.Reshape(dy * hit, quarter)                      # [rows, 1, W/2, 1]
+    pairs = [b.op.Concat(parts[i, 0], parts[i, 1], axis=3) for i in (0, 1)]
+    return [b.reshape_like(b.op.Concat(*pairs, axis=1), x)]                 # [rows, 2, W/2, 2]
 
 
 MAX_POOL_TAPS = Rewrite("max_pool_taps", "ScatterElements", max_pool_taps_pattern, max_pool_unpool_check,

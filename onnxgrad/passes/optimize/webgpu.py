@@ -221,8 +221,9 @@ CONV_TRANSPOSE_EXPLICIT = Rewrite("conv_transpose_explicit_attributes", "ConvTra
 
 # -- MaxPool's gradient without the Indices output -------------------------------------------------------------
 MAX_POOL_TAPS_FLOAT = Rewrite("max_pool_taps_float", "ScatterElements", max_pool_taps_pattern, max_pool_taps_check,
-                              first_maximum_taps, "2x2 MaxPool's scatter at the Indices as strided compares with y, "
-                              "float masks (the WebGPU providers fail MaxPool's Indices; JSEP runs And/Or on the CPU)")
+                              first_maximum_taps, "2x2 MaxPool's scatter at the Indices as its taps compared with "
+                              "y, float masks (the WebGPU providers fail MaxPool's Indices; JSEP runs And/Or on the "
+                              "CPU)")
 
 
 # -- the loss ops -----------------------------------------------------------------------------------------------
