@@ -169,22 +169,18 @@ def test_scatter_of_one_index_per_row_as_a_where_of_the_class_compare(reduction,
     assert {n.op_type for n in out.graph.node} <= {"Constant", "Equal", "Where", "Add"}
 
 
-def test_scatter_of_several_indices_per_row_stays():
-    m = one_node("ScatterElements", [("x", F, (3, 5)), ("idx", TensorProto.INT64, (3, 2)), ("u", F, (3, 2))],
-                 [("y", F, (3, 5))], {"axis": 1})
-    _, report = apply_rewrites(onnx.shape_inference.infer_shapes(m), [REWRITES["one_per_row_scatter_as_where"]])
-    assert not report.applied
-    assert "more than one element per row" in str(report)
-
-
-def test_scatter_of_one_index_in_part_of_the_rows_stays():
-    # ScatterElements' indices may be smaller than the data off the axis: only rows 0 of 3 are written, which a
+@pytest.mark.parametrize("rows, per_row, reason", [
+    (3, 2, "more than one element per row"),
+    # ScatterElements' indices may be smaller than the data off the axis: only row 0 of 3 is written, which a
     # Where of the class compare would broadcast over every row
-    m = one_node("ScatterElements", [("x", F, (3, 5)), ("idx", TensorProto.INT64, (1, 1)), ("u", F, (1, 1))],
-                 [("y", F, (3, 5))], {"axis": 1})
+    (1, 1, "part of the data's rows"),
+], ids=["several-per-row", "part-of-the-rows"])
+def test_a_scatter_a_where_cannot_stand_for_stays(rows, per_row, reason):
+    m = one_node("ScatterElements", [("x", F, (3, 5)), ("idx", TensorProto.INT64, (rows, per_row)),
+                                     ("u", F, (rows, per_row))], [("y", F, (3, 5))], {"axis": 1})
     _, report = apply_rewrites(onnx.shape_inference.infer_shapes(m), [REWRITES["one_per_row_scatter_as_where"]])
     assert not report.applied
-    assert "part of the data's rows" in str(report)
+    assert reason in str(report)
 
 
 def test_static_shapes_fold_in_rounds_and_compute_the_same():
