@@ -500,3 +500,110 @@ def test_the_check_leaves_the_modules_state_alone():
     assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
     assert json.loads(dict((p.key, p.value) for p in model.metadata_props)[NO_GRADIENT_KEY]) == [
         "spare.weight", "spare.bias"]
+
+
+# -- module=: the module itself trained, as torch.optim trains it -------------------------------------
+def _linked_session(name: str, **options) -> tuple[TrainingSession, nn.Module]:
+    """A session on case ``name``'s export given the exported module itself (``module=``)."""
+    _, _, loss = CASES[name]
+    module, example = fresh(name)
+    model = onnxgrad.from_torch(module, (torch.from_numpy(example),), dynamic_batch=True, input_names=["x"],
+                                output_names=["logits"])
+    loss_fn = (losses.CrossEntropyLoss(output="logits", target="y") if loss == "cross_entropy"
+               else losses.MSELoss(output="logits", target="y"))
+    return TrainingSession(model, loss=loss_fn, optimizer=OPTIMIZERS["adamw"][0](), module=module, **options), module
+
+
+def _assert_trained_alike(module: nn.Module, reference: nn.Module, what: str) -> None:
+    """``module``'s state is ``reference``'s: parameters and running statistics to float32 rounding, the
+    batch counts exactly."""
+    mine, theirs = module.state_dict(), reference.state_dict()
+    assert mine.keys() == theirs.keys()
+    for k, v in mine.items():
+        if k.endswith("num_batches_tracked"):
+            assert int(v) == int(theirs[k]), f"{what}: {k} is {int(v)}, PyTorch's {int(theirs[k])}"
+        else:
+            assert relative(v.numpy(), theirs[k].numpy()) <= RTOL, f"{what}: {k}"
+
+
+@pytest.mark.parametrize("name, accumulation", [
+    ("cnn_bn_se_residual", 1),
+    ("cnn_bn_se_residual", 2),
+    pytest.param("gpt_tied_head", 1, marks=pytest.mark.slow),
+])
+def test_the_module_given_is_trained_in_place_as_torch_optim_trains_it(name, accumulation):
+    """After every step the module holds what torch.optim's step gives (its running statistics and
+    batch counts too), in the same memory the session updates: one copy of each trained tensor."""
+    session, module = _linked_session(name, accumulation_steps=accumulation)
+    tensors = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers())
+    trained = [*session.spec.params, *session.spec.buffers]
+    assert trained and all(session._cur[n].data_ptr() == tensors[n].data_ptr() for n in trained)
+    reference, _ = fresh(name)
+    torch_optimizer = OPTIMIZERS["adamw"][1]([p for p in reference.parameters() if p.requires_grad])
+    torch_loss = F.cross_entropy if CASES[name][2] == "cross_entropy" else F.mse_loss
+    for k, (x, y) in enumerate(batches(CASES[name][1], np.random.default_rng(0))):
+        session.step({"x": x, "y": y})
+        (torch_loss(reference(torch.from_numpy(x)), torch.from_numpy(y)) / accumulation).backward()
+        if (k + 1) % accumulation == 0:
+            torch_optimizer.step()
+            torch_optimizer.zero_grad()
+        _assert_trained_alike(module, reference, f"after step {k + 1}")
+    held = session.parameters()
+    assert all(np.array_equal(held[n], tensors[n].detach().numpy()) for n in session.spec.params)
+
+
+def test_tensors_the_step_does_not_update_in_place_are_copied_into_the_module(monkeypatch):
+    """A tensor the update graph cannot write in place (here: none may) keeps its spare buffer; the module
+    still holds the current values after every step."""
+    import onnxgrad.training.artifacts as A
+
+    monkeypatch.setattr(A, "in_place", lambda *args: set())
+    session, module = _linked_session("cnn_bn_se_residual")
+    assert session._linked == {}
+    reference, _ = fresh("cnn_bn_se_residual")
+    torch_optimizer = OPTIMIZERS["adamw"][1](reference.parameters())
+    for k, (x, y) in enumerate(batches("image", np.random.default_rng(0))):
+        session.step({"x": x, "y": y})
+        torch_optimizer.zero_grad()
+        F.cross_entropy(reference(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+        torch_optimizer.step()
+        _assert_trained_alike(module, reference, f"after step {k + 1}")
+
+
+def test_load_parameters_and_restore_write_into_the_module(tmp_path):
+    session, module = _linked_session("cnn_bn_se_residual")
+    x, y = next(batches("image", np.random.default_rng(0)))
+    session.step({"x": x, "y": y})
+    session.save(tmp_path / "ckpt.onnxgrad")
+    saved = {k: v.clone() for k, v in module.state_dict().items()}
+    session.step({"x": x, "y": y})
+    session.load_parameters({"head.bias": np.full(5, 7.0, np.float32)})
+    assert torch.equal(module.head.bias.detach(), torch.full((5,), 7.0))
+    session.restore(tmp_path / "ckpt.onnxgrad")
+    for k, v in module.state_dict().items():
+        if not k.endswith("num_batches_tracked"):        # a count of batches seen; checkpoints hold no count
+            assert torch.equal(v, saved[k]), k
+
+
+@pytest.mark.parametrize("other, options, said", [
+    ("another seed", {}, r"module=: the module's '.*' holds other values than the model's .* export it again"),
+    ("another architecture", {}, r"module=: the session trains '.*', which the module has no parameter or buffer"),
+    ("not a module", {}, r"module= takes the torch.nn.Module the model was exported from, got dict"),
+    ("the module", {"providers": ["CUDAExecutionProvider"]},
+     r"module= trains the module's CPU tensors in place, in a CPU session, and this session would run on "
+     r"CUDAExecutionProvider: pass providers=\['CPUExecutionProvider'\]"),
+])
+def test_a_module_the_session_cannot_train_in_place_is_refused_before_the_first_step(other, options, said):
+    module, example = fresh("cnn_bn_se_residual")
+    model = copy.deepcopy(exported("cnn_bn_se_residual"))
+    if other == "another seed":
+        torch.manual_seed(1)
+        module = ResidualCNN()
+    elif other == "another architecture":
+        module = FrozenAndBuffer()
+    elif other == "not a module":
+        module = dict(module.state_dict())
+    with pytest.raises(onnxgrad.OnnxGradError, match=said) as e:
+        TrainingSession(model, loss=losses.CrossEntropyLoss(output="logits", target="y"),
+                        optimizer=optim.AdamW(lr=1e-2), module=module, **options)
+    assert "leave module= out" in str(e.value) and "\n" not in str(e.value)

@@ -6,4 +6,5 @@
 - :mod:`.train_mode`: ``model.train()`` (BatchNormalization on batch statistics, Dropout active).
 - :mod:`.distributed`: data parallelism (torch.distributed or MPI).
 - :mod:`.torch_export`: :func:`onnxgrad.from_torch`, a torch module exported for training.
+- :mod:`.torch_module`: ``TrainingSession(..., module=net)``, the module's own tensors trained in place.
 """

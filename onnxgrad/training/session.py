@@ -48,6 +48,7 @@ from . import distributed as D
 from . import feeds as F
 from . import losses as L
 from . import state as S
+from . import torch_module
 from .optim import Optimizer, from_config
 
 __all__ = ["TrainingSession", "CheckpointError", "CorruptCheckpointError", "CheckpointMismatchError",
@@ -137,7 +138,10 @@ class TrainingSession:
     computes cheap activations again (ReLUs, batch-norm outputs, GELUs) instead of keeping them from the
     forward (:mod:`onnxgrad.passes.recompute`): less is held from the forward into the backward, for a
     little more time; a step's peak falls only where it lies there (bench/README.md's measurements).
-    Checkpoints keep the setting.
+    Checkpoints keep the setting. ``module``: the ``torch.nn.Module`` the model was exported from
+    (:func:`onnxgrad.from_torch`), trained in place as ``torch.optim`` trains it: the session updates the module's
+    own parameters and running statistics (CPU sessions), so the weights are held once and ``module`` is the
+    trained model after every step (:mod:`onnxgrad.training.torch_module`).
 
     ``lr`` (the learning rate of the next steps; a scheduler sets it), ``step_count``
     (updates applied), ``skipped_steps`` and ``last_grad_norm`` are plain attributes;
@@ -169,6 +173,7 @@ class TrainingSession:
         strict_tags: bool = False,
         data_parallel: "bool | str | D.Engine" = False,
         recompute: bool = False,
+        module: Any = None,
     ):
         ort = onnxruntime("TrainingSession")
 
@@ -177,6 +182,12 @@ class TrainingSession:
         self.on_nonfinite = on_nonfinite
         self._ort = ort
         self._providers = list(providers) if providers is not None else default_providers()
+        if module is not None and provider_name(self._providers[0]) != "CPUExecutionProvider":
+            raise OnnxGradError(f"module= trains the module's CPU tensors in place, in a CPU session, and this "
+                                f"session would run on {provider_name(self._providers[0])}"
+                                f"{'' if providers else ' (the default where it is available)'}: pass "
+                                "providers=['CPUExecutionProvider'], or leave module= out and copy "
+                                "session.parameters() into the module")
         self._options = session_options
         self._engine: D.Engine | None = None
         if data_parallel is not False:
@@ -227,11 +238,16 @@ class TrainingSession:
         self._layout: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
         art = self.artifacts
         values = {**art.initial_params, **art.initial_buffers}
+        self._link = None if module is None else torch_module.link(module, values, art.initial_buffers)
+        self._linked = {}                              # name -> the buffer that is the module's tensor
         for p, states in art.initial_state.items():
             for s, v in states.items():
                 values[spec.state[p][s][0]] = v
         for name, v in values.items():
-            self._sets[0][name] = self._adopt(v)
+            if self._link and name in self._link.arrays and name in self._inplace:
+                self._linked[name] = self._sets[0][name] = ort.OrtValue.ortvalue_from_numpy(self._link.arrays[name])
+            else:
+                self._sets[0][name] = self._adopt(v)
             # ... and for the tensors updated in place, both sets hold the one buffer
             self._sets[1][name] = self._sets[0][name] if name in self._inplace else self._empty_like(v)
             self._layout[name] = (tuple(v.shape), np.dtype(v.dtype))
@@ -255,6 +271,7 @@ class TrainingSession:
             self._split_buffers()
         if self.world_size > 1:            # every worker starts from rank 0's weights, as DDP does
             self._engine.broadcast([self._sets[0][n] for n in sorted(self._sets[0])])
+            self._to_module()
         inits = {x.name for x in self.artifacts.loss_model.graph.initializer}
         self._loss_inputs = [i.name for i in self.artifacts.loss_model.graph.input if i.name not in inits]
         _release_freed_memory()
@@ -305,6 +322,7 @@ class TrainingSession:
         if finite and not poisoned:
             self._parity = 1 - self._parity       # the outputs become the current values
             self.step_count += 1
+            self._to_module(batches=1)
             return loss
         self._not_finite(loss, "the update was not applied")
         return loss
@@ -345,6 +363,7 @@ class TrainingSession:
                     self._sets[0][name], self._sets[1][name] = self._sets[1][name], self._sets[0][name]
                 if spec.buffers:
                     self._bindings = None
+                self._to_module(batches=1)
             return loss
         self._engine.all_reduce(list(self._reduced.values()))          # the sum over the workers, in place
         io_ = self._train_binding()
@@ -359,6 +378,7 @@ class TrainingSession:
                 self._engine.all_reduce(floats, average=True)
             self._parity = 1 - self._parity
             self.step_count += 1
+            self._to_module(batches=1)
             return loss
         self._not_finite(loss, "the update was not applied on any worker")
         return loss
@@ -381,12 +401,28 @@ class TrainingSession:
     def _cur(self) -> dict[str, Any]:
         return self._sets[self._parity]
 
-    def _set_current(self, name: str, value: Any) -> None:
-        """Replace a current buffer (restore, load_parameters): the prebuilt bindings are rebuilt."""
+    def _set_current(self, name: str, values: np.ndarray) -> None:
+        """Give a tensor new values (restore, load_parameters): the module's memory where it is the current
+        buffer (``module=``), else a new buffer, and the prebuilt bindings are rebuilt."""
+        if name in self._linked and self._cur[name] is self._linked[name]:
+            np.copyto(self._link.arrays[name], values)
+            return
+        value = self._device_value(values)
         self._sets[self._parity][name] = value
         if name in self._inplace:
             self._sets[1 - self._parity][name] = value
         self._bindings = None
+
+    def _to_module(self, batches: int = 0) -> None:
+        """``module=``: the current values the step wrote outside the module's memory copied there (a tensor
+        not updated in place), and ``batches`` more counted by its batch norms."""
+        if self._link is None:
+            return
+        for name, array in self._link.arrays.items():
+            current = self._cur[name]
+            if current is not self._linked.get(name):
+                np.copyto(array, current.numpy())
+        self._link.count_batches(batches)
 
     def _train_outputs(self) -> dict[str, str]:
         """Input -> output names of what the graph that updates writes."""
@@ -465,6 +501,7 @@ class TrainingSession:
                 self._sets[0][name], self._sets[1][name] = self._sets[1][name], self._sets[0][name]
             if spec.buffers:
                 self._bindings = None
+            self._to_module(batches=1)
         elif self.on_nonfinite == "raise":
             self._not_finite(loss, "this micro-batch was not accumulated")
         else:
@@ -597,7 +634,8 @@ class TrainingSession:
         for name, v in values.items():
             if name not in self.spec.params:
                 raise UnknownNameError(f"'{name}' is not a trainable parameter of this session")
-            self._set_current(name, self._device_value(self._checked(name, v)))
+            self._set_current(name, self._checked(name, v))
+        self._to_module()
 
     def export(self, path: str | os.PathLike) -> None:
         """Write the forward model with the current weights (an inference model), atomically."""
@@ -748,7 +786,8 @@ class TrainingSession:
         if problems:
             raise CheckpointMismatchError(f"checkpoint '{path}' does not fit this session: " + "; ".join(problems))
         for name, a in values.items():
-            self._set_current(name, self._device_value(a))
+            self._set_current(name, a)
+        self._to_module()
         self.step_count = int(state.tensors[S.STEP]) - 1
         lr = state.tensors[S.LR]           # what the model reads; the Python float it was, while it still is
         self.lr = options["lr"] if "lr" in options and np.float32(options["lr"]) == lr else float(lr)
