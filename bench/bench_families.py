@@ -2,7 +2,8 @@
 torch.compile): torchvision's
 MobileNetV2, MobileNetV3-Large, EfficientNet-B0 and ResNet-18 (64x64 images, batch 4, 1000 classes), transformers'
 BERT (4 layers, d256, sequences of 128, batch 8) and GPT-2 (4 layers, d256, 128 positions, batch 4, its 50257-token
-vocabulary) (bench/torch_models.py), trained in train mode with AdamW and cross-entropy. One framework per process
+vocabulary) (bench/torch_models.py), trained in train mode with AdamW and cross-entropy, ours with ``module=net`` (the
+session updates the module's own tensors, as torch.optim does: the weights are held once). One framework per process
 (alternating processes: in one process the two frameworks' thread pools slow each other, PyTorch's most); the
 export's and the session's build times; and onnxruntime's profile of onnxgrad's step by op type. Needs torch and
 transformers (pip install ".[cpu,torch]" transformers).
@@ -61,7 +62,8 @@ def run(name: str, framework: str, reps: int, profile: bool) -> dict:
         so = B.session_options("/tmp/bench_families" if profile else None)
         t0 = time.perf_counter()
         s = TrainingSession(model, loss=losses.CrossEntropyLoss(output=model.graph.output[0].name, target="t"),
-                            optimizer=optim.AdamW(lr=1e-3), providers=["CPUExecutionProvider"], session_options=so)
+                            optimizer=optim.AdamW(lr=1e-3), providers=["CPUExecutionProvider"], session_options=so,
+                            module=net)
         build = time.perf_counter() - t0
         feeds = {i.name: x.numpy() for i, x in zip(model.graph.input, inputs)} | {"t": y.numpy()}
 
@@ -76,18 +78,8 @@ def run(name: str, framework: str, reps: int, profile: bool) -> dict:
     if profile and framework == "onnxgrad":
         B.print_profile(s._train.end_profiling(), "onnxgrad step", reps + 3)
     peak = bench_memory._mb("VmHWM") - base
-    released = None
-    if framework == "onnxgrad" and reset:
-        # the caller's ModelProto let go, as TrainingSession(from_torch(net, x), ...) written inline does: the
-        # session's buffers are then the one copy of the weights beside the module's, as PyTorch's step has it
-        del model
-        bench_memory.baseline()
-        if B._reset_peak():
-            for _ in range(3):
-                step()
-            released = bench_memory._mb("VmHWM") - base
     return {"median": statistics.median(times), "min": min(times), "build_s": build, "export_s": export,
-            "peak_mb": peak, "peak_reset": reset, "released_peak_mb": released}
+            "peak_mb": peak, "peak_reset": reset}
 
 
 def main(argv: list[str]) -> int:
@@ -124,7 +116,7 @@ def main(argv: list[str]) -> int:
           f"{env['BENCH_SPIN'] == '1'}; median of {args.rounds} processes per framework, each the median of "
           f"{args.reps} steps (ms)")
     print(f"{'model':20s} {'onnxgrad':>9s} {'eager':>9s} {'ratio':>6s} {'export s':>9s} {'session s':>10s} "
-          f"{'peak MB ours / eager':>21s} {'ratio':>6s} {'released':>9s} {'ratio':>6s}"
+          f"{'peak MB ours / eager':>21s} {'ratio':>6s}"
           + (f" {'compile':>9s} {'ratio':>6s}" if args.compile else ""))
     table = {}
     for name in names:
@@ -143,10 +135,6 @@ def main(argv: list[str]) -> int:
         row["eager_peak_mb"] = statistics.median(r["peak_mb"] for r in results["torch"])
         row["memory/eager"] = row["onnxgrad_peak_mb"] / row["eager_peak_mb"]
         row["peak_reset"] = all(r["peak_reset"] for rs in results.values() for r in rs)
-        released = [r["released_peak_mb"] for r in results["onnxgrad"] if r.get("released_peak_mb") is not None]
-        if released:
-            row["released_peak_mb"] = statistics.median(released)
-            row["released/eager"] = row["released_peak_mb"] / row["eager_peak_mb"]
         if args.compile:
             row["compile_ms"] = statistics.median(r["median"] for r in results["compile"])
             row["step/compile"] = row["onnxgrad_ms"] / row["compile_ms"]
@@ -154,8 +142,6 @@ def main(argv: list[str]) -> int:
         print(f"{name:20s} {row['onnxgrad_ms']:9.1f} {row['eager_ms']:9.1f} {row['ratio']:6.2f} "
               f"{row['export_s']:9.2f} {row['session_s']:10.2f} "
               f"{row['onnxgrad_peak_mb']:10.0f} / {row['eager_peak_mb']:<8.0f} {row['memory/eager']:6.2f}"
-              + (f" {row['released_peak_mb']:9.0f} {row['released/eager']:6.2f}" if "released_peak_mb" in row
-                 else f" {'-':>9s} {'-':>6s}")
               + (f" {row['compile_ms']:9.1f} {row['step/compile']:6.2f}" if args.compile else "")
               + ("" if row["peak_reset"] else "  (peak not reset: includes the export)"), flush=True)
     measured = published.run_info(threads=B.THREADS, rounds=args.rounds, reps=args.reps, models=table)
@@ -167,7 +153,7 @@ def main(argv: list[str]) -> int:
         for difference in published.setup_differences(measured, before):
             print(f"note: published on another setup ({difference}): the ratios move with it")
         comparisons = published.compare(table, before["models"],
-                                        ["ratio", "memory/eager", "released/eager", "step/compile"])
+                                        ["ratio", "memory/eager", "step/compile"])
         for line in published.report(comparisons, args.tolerance, f"{args.against} ({published.describe(before)})"):
             print(line)
     if args.profile:
