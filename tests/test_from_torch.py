@@ -607,3 +607,36 @@ def test_a_module_the_session_cannot_train_in_place_is_refused_before_the_first_
         TrainingSession(model, loss=losses.CrossEntropyLoss(output="logits", target="y"),
                         optimizer=optim.AdamW(lr=1e-2), module=module, **options)
     assert "leave module= out" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_data_parallel_session_trains_the_module_too():
+    """The split step (backward, reduction, update): the module holds the session's parameters and running
+    statistics after every update, the parameters in the session's own buffers. The engine is one process
+    standing for two workers with the same shard (the sums twice this worker's, the means its own)."""
+    from onnxgrad.training.distributed import Engine
+
+    class Mirror(Engine):
+        name = "mirror"
+        rank, world_size, local_rank, local_world_size = 0, 2, 0, 1
+
+        def all_reduce(self, values, average=False):
+            if not average:
+                for v in values:
+                    v.update_inplace(v.numpy() * 2)
+
+        def broadcast(self, values, src=0):
+            pass
+
+        def barrier(self):
+            pass
+
+    session, module = _linked_session("cnn_bn_se_residual", data_parallel=Mirror())
+    assert session.artifacts.split is not None and session._linked
+    tensors = dict(module.named_parameters(remove_duplicate=False)) | dict(module.named_buffers())
+    for k, (x, y) in enumerate(batches("image", np.random.default_rng(0))):
+        session.step({"x": x, "y": y})
+        held = {**session.parameters(), **session.buffers()}
+        for name, value in held.items():
+            np.testing.assert_array_equal(tensors[name].detach().numpy(), value, err_msg=f"step {k + 1}: {name}")
+        assert int(module.bn.num_batches_tracked) == k + 1
+    assert all(session._cur[n].data_ptr() == tensors[n].data_ptr() for n in session.spec.params)
