@@ -640,3 +640,18 @@ def test_a_data_parallel_session_trains_the_module_too():
             np.testing.assert_array_equal(tensors[name].detach().numpy(), value, err_msg=f"step {k + 1}: {name}")
         assert int(module.bn.num_batches_tracked) == k + 1
     assert all(session._cur[n].data_ptr() == tensors[n].data_ptr() for n in session.spec.params)
+
+
+def test_a_module_tensor_replaced_after_the_build_stops_the_next_step():
+    """module.half(), module.to(), p.data = ...: the module's tensor is no longer the session's memory, so an
+    update would not reach it; the step says so and changes nothing."""
+    session, module = _linked_session("cnn_bn_se_residual")
+    x, y = next(batches("image", np.random.default_rng(0)))
+    session.step({"x": x, "y": y})
+    before = session.parameters()
+    module.head.weight.data = module.head.weight.data.clone()
+    with pytest.raises(onnxgrad.OnnxGradError, match=r"module=: the module's 'head.weight' was replaced since the "
+                                                     r"session was built .* nothing was changed"):
+        session.step({"x": x, "y": y})
+    assert session.step_count == 1
+    assert all(np.array_equal(v, before[k]) for k, v in session.parameters().items())

@@ -304,6 +304,8 @@ class TrainingSession:
             raise OnnxGradError(f"step: the learning rate must be a finite number >= 0, got {rate!r}; "
                                 "nothing was changed")
         data = self._data(feeds, self._declared, "step")
+        if self._link is not None:
+            self._link.check()
         if self._split:
             return self._split_step(data, rate, samples)
         if self._micro < spec.accumulation_steps - 1:

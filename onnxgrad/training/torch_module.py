@@ -6,7 +6,8 @@ statistic it trains is bound to the memory of the module's tensor of that name (
 keeps), so the update writes there, and the copy the session would hold beside the module's is never made.
 A tensor the step writes elsewhere (one that is not updated in place: a spare buffer's turn) is copied back
 after the step; the batch norms' ``num_batches_tracked`` count the batches whose running statistics the
-session applied, as ``model.train()`` counts its forwards.
+session applied, as ``model.train()`` counts its forwards. A tensor the module replaced since (``module.to()``,
+``p.data = ...``) is found before the next step, which raises.
 
 The link is checked before the first step, or refused with the way out: every trained tensor must be the
 module's, on the CPU, contiguous, of the same type, shape and values (a module changed since its export, or
@@ -27,11 +28,25 @@ _WAY_OUT = "or leave module= out and copy session.parameters() into the module y
 
 class ModuleLink:
     """``arrays``: session tensor name -> the module tensor's memory as a numpy array; ``batch_counts``: the
-    ``num_batches_tracked`` of the batch norms whose running statistics the session trains."""
+    ``num_batches_tracked`` of the batch norms whose running statistics the session trains; ``tensors``: name
+    -> the module's tensor, whose memory :meth:`check` finds still there."""
 
-    def __init__(self, arrays: dict[str, np.ndarray], batch_counts: list[np.ndarray]):
+    def __init__(self, arrays: dict[str, np.ndarray], batch_counts: list[np.ndarray], tensors: dict[str, Any]):
         self.arrays = arrays
         self.batch_counts = batch_counts
+        self.tensors = tensors
+        self._addresses = {name: t.data_ptr() for name, t in tensors.items()}
+
+    def check(self) -> None:
+        """Raise before a step when a module tensor no longer has the memory the session trains: replaced
+        since the build (``module.to(...)``, ``module.half()``, ``p.data = ...``), so that the session's
+        updates would no longer reach the module."""
+        for name, t in self.tensors.items():
+            if t.data_ptr() != self._addresses[name]:
+                raise OnnxGradError(f"module=: the module's '{name}' was replaced since the session was built "
+                                    f"(module.to(), .half(), p.data = ...), so the session's updates would not "
+                                    f"reach it; nothing was changed: build the session again from the module as "
+                                    f"it is now (write into the tensors in place, load_state_dict, to keep them)")
 
     def count_batches(self, batches: int) -> None:
         for count in self.batch_counts:
@@ -76,7 +91,7 @@ def link(module: Any, values: Mapping[str, np.ndarray], running: Iterable[str]) 
                                 f"the model, which trains them apart; export with from_torch, which keeps a tied "
                                 f"tensor one, {_WAY_OUT}")
         arrays[name] = array
-    return ModuleLink(arrays, _batch_counts(module, set(running)))
+    return ModuleLink(arrays, _batch_counts(module, set(running)), {name: tensors[name] for name in arrays})
 
 
 def _batch_counts(module: Any, running: set[str]) -> list[np.ndarray]:
