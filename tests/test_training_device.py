@@ -71,6 +71,31 @@ def test_scalars_are_the_runs_own_whatever_the_last_runs_outputs_hold():
     assert s.step(batch(4)) == reference.step(batch(4))
 
 
+def test_no_scalar_of_a_run_stays_bound_after_it():
+    """The scalars onnxruntime allocated in its arena are let go once read: held until the next step's
+    bindings, they split the arena's free blocks, which grew step after step (BERT: 338 MB, then 369)."""
+    s = mlp(accumulation_steps=2)
+    runs = []
+
+    class Spy:
+        def __init__(self, sess):
+            self.sess = sess
+
+        def __getattr__(self, name):
+            return getattr(self.sess, name)
+
+        def run_with_iobinding(self, io_, *args):
+            self.sess.run_with_iobinding(io_, *args)
+            runs.append(io_)
+
+    s._train, s._accumulate = Spy(s._train), Spy(s._accumulate)
+    for x, y in zip(np.split(DATA["x"][0], 2), np.split(DATA["y"][0], 2)):
+        s.step({"x": x, "y": y})
+    assert len(runs) == 2 and s.step_count == 1
+    for io_ in runs:
+        assert [v for v in io_.get_outputs() if v.has_value() and not v.shape()] == []
+
+
 def test_a_scalar_the_run_did_not_write_is_never_read():
     s = mlp()
     s._train = Stale(s._train, drop=s.spec.finite)
