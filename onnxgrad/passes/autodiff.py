@@ -406,15 +406,19 @@ class _Pass:
         rank, lead = len(out.shape), len(out.shape) - len(mine.shape)
         names = _dim_names(self.types.get(node.output[0])), _dim_names(self.types.get(node.input[i]))
         others = [self.infos.get(x) for j, x in enumerate(node.input) if j != i and x]
+
+        def lacks_or_one(other: TensorInfo | None, axis: int) -> bool:
+            if other is None or other.shape is None:
+                return False
+            own = axis - (rank - len(other.shape))          # the axis in the other operand, negative: it lacks it
+            return own < 0 or other.shape[own] == 1
+
         kept = set()
         for axis in range(max(lead, 0), rank):
             if mine.shape[axis - lead] is not None:
                 continue
             named = names[0].get(axis) is not None and names[0].get(axis) == names[1].get(axis - lead)
-            ones = all(o is not None and o.shape is not None and
-                       (axis - (rank - len(o.shape)) < 0 or o.shape[axis - (rank - len(o.shape))] == 1)
-                       for o in others)
-            if named or ones:
+            if named or all(lacks_or_one(o, axis) for o in others):
                 kept.add(axis)
         return kept
 

@@ -405,8 +405,9 @@ class TrainingSession:
 
     def _set_current(self, name: str, values: np.ndarray) -> None:
         """Give a tensor new values (restore, load_parameters): the module's memory where it is the current
-        buffer (``module=``), else a new buffer, and the prebuilt bindings are rebuilt."""
-        if name in self._linked and self._cur[name] is self._linked[name]:
+        buffer (``module=``: a linked tensor is updated in place, so both sets always hold that one buffer),
+        else a new buffer, and the prebuilt bindings are rebuilt."""
+        if name in self._linked:
             np.copyto(self._link.arrays[name], values)
             return
         value = self._device_value(values)
