@@ -59,6 +59,10 @@ def _conv(n, c, m, size, k=3, s=1):
     return _model("Conv", (n, c, size, size), (m, c, k, k), pads=[k // 2] * 4, strides=[s, s])
 
 
+def _depthwise(n, c, size, k=3, s=1):
+    return _model("Conv", (n, c, size, size), (c, 1, k, k), pads=[k // 2] * 4, strides=[s, s], group=c)
+
+
 # ResNet-18's 3x3 stages at 3x112x112, batch 8
 RESNET_STAGES = [
     ("resnet layer1 3x3 64->64 28x28 n8", _conv(8, 64, 64, 28)),
@@ -73,6 +77,15 @@ CASES = {
         ("resnet downsample 1x1/2 128->256 14x14 n8", _conv(8, 128, 256, 14, k=1, s=2)),
         ("resnet stem 7x7/2 3->64 112x112 n8", _conv(8, 3, 64, 112, k=7, s=2)),
         ("cnn conv2 3x3 32->64 16x16 n32", _conv(32, 32, 64, 16)),
+    ],
+    # the depthwise convolutions above 64 positions (smaller images are lowered to MatMuls before the gradient) of
+    # MobileNetV2 and EfficientNet-B0 at 64x64, batch 4 (bench_families.py)
+    "depthwise_weight_grad_patches": [
+        ("mobilenet_v2 features.1 dw 3x3 32 32x32 n4", _depthwise(4, 32, 32)),
+        ("mobilenet_v2 features.2 dw 3x3/2 96 32x32 n4", _depthwise(4, 96, 32, s=2)),
+        ("mobilenet_v2 features.3 dw 3x3 144 16x16 n4", _depthwise(4, 144, 16)),
+        ("mobilenet_v2 features.4 dw 3x3/2 144 16x16 n4", _depthwise(4, 144, 16, s=2)),
+        ("efficientnet_b0 dw 5x5/2 144 16x16 n4", _depthwise(4, 144, 16, k=5, s=2)),
     ],
     "conv_forward_patches": RESNET_STAGES + [
         ("resnet layer3.0 3x3/2 128->256 14x14 n8", _conv(8, 128, 256, 14, s=2)),

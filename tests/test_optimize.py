@@ -127,6 +127,43 @@ def test_conv_weight_grad_patches_declines_with_a_reason(case, reason):
     _declined(case, "conv_weight_grad_patches", reason)
 
 
+# -- depthwise_weight_grad_patches ------------------------------------------------------------------
+DEPTHWISE_WEIGHT_CASES = [
+    Case("Conv", [randn(2, 6, 9, 9), randn(6, 1, 3, 3)], dict(group=6, pads=[1, 1, 1, 1]), id="3x3", wrt=[1]),
+    Case("Conv", [randn(1, 4, 9, 10), randn(4, 1, 3, 3), randn(4)], dict(group=4, pads=[1, 1, 1, 1]),
+         id="one-image-bias"),
+    Case("Conv", [randn(3, 4, 9, 8), randn(4, 1, 3, 3)], dict(group=4, strides=[2, 2], pads=[1, 0, 1, 1]),
+         id="stride-asymmetric-pads", wrt=[0, 1]),
+    Case("Conv", [randn(2, 3, 10, 9), randn(3, 1, 3, 2)], dict(group=3, dilations=[2, 1], pads=[2, 1, 0, 0]),
+         id="dilation-kernel-3x2", wrt=[1]),
+    Case("Conv", [randn(2, 5, 7, 9), randn(5, 1, 3, 3)], dict(group=5, strides=[3, 2]),
+         id="stride-not-dividing", wrt=[1]),
+    Case("Conv", [randn(2, 4, 17), randn(4, 1, 3)], dict(group=4, pads=[1, 1]), id="1-d", wrt=[1]),
+]
+
+
+@pytest.mark.parametrize("case", DEPTHWISE_WEIGHT_CASES, ids=str)
+def test_depthwise_weight_grad_patches(case):
+    """The grouped swapped-role Conv of a depthwise weight gradient becomes the one-hot patches (a Conv with a
+    constant weight) and batched MatMuls; the gradients are the canonical graph's."""
+    fast = _case(case, "depthwise_weight_grad_patches")
+    constants = {n.output[0] for n in fast.graph.node if n.op_type == "Constant"}
+    backward = [n for n in fast.graph.node[1:] if n.op_type == "Conv"]
+    assert "MatMul" in _ops(fast) and backward and all(n.input[1] in constants for n in backward)
+
+
+@pytest.mark.parametrize("case, reason", [
+    (Case("Conv", [randn(2, 4, 12, 12), randn(4, 1, 5, 5)], dict(group=4, pads=[2, 2, 2, 2]), wrt=[1]),
+     "5x5 kernel"),
+    (Case("Conv", [randn(2, 3, 9, 9), randn(6, 1, 3, 3)], dict(group=3, pads=[1, 1, 1, 1]), wrt=[1]),
+     "not depthwise"),
+    (Case("Conv", [randn(2, 4, 9, 9), randn(4, 2, 3, 3)], dict(group=2, pads=[1, 1, 1, 1]), wrt=[1]),
+     "not depthwise"),
+], ids=["large-kernel", "two-outputs-per-channel", "two-channels-per-group"])
+def test_depthwise_weight_grad_patches_declines_with_a_reason(case, reason):
+    _declined(case, "depthwise_weight_grad_patches", reason)
+
+
 # -- conv_forward_patches ---------------------------------------------------------------------------
 FORWARD_PATCH_CASES = [
     Case("Conv", [randn(3, 6, 4, 4), randn(5, 6, 3, 3)], dict(pads=[1, 1, 1, 1]), id="3x3", wrt=[0, 1]),

@@ -41,6 +41,7 @@ from .conv import (
     CONV_INPUT_GRAD_FLIPPED,
     CONV_TRANSPOSE_SYMMETRIC,
     CONV_WEIGHT_GRAD_PATCHES,
+    DEPTHWISE_WEIGHT_GRAD_PATCHES,
     asymmetric,
 )
 from .depthwise import DEPTHWISE_CONV_AS_MATMUL
@@ -57,13 +58,14 @@ __all__ = ["LOWERINGS", "REWRITES", "TARGETS", "apply_rewrites", "cuda_refusals"
            "provider_name", "rewrites_for", "target_for"]
 
 REWRITES: dict[str, Rewrite] = {r.name: r for r in (
-    CONV_FORWARD_PATCHES, CONV_WEIGHT_GRAD_PATCHES, CONV_INPUT_GRAD_COL2IM, CONV_INPUT_GRAD_FLIPPED,
-    RELU_MAX_POOL_TAPS, MAX_POOL_TAPS, WHERE_ZERO_AS_MUL, BATCH_NORM_TRAINING_AS_OPS,
+    CONV_FORWARD_PATCHES, CONV_WEIGHT_GRAD_PATCHES, DEPTHWISE_WEIGHT_GRAD_PATCHES, CONV_INPUT_GRAD_COL2IM,
+    CONV_INPUT_GRAD_FLIPPED, RELU_MAX_POOL_TAPS, MAX_POOL_TAPS, WHERE_ZERO_AS_MUL, BATCH_NORM_TRAINING_AS_OPS,
     BATCH_NORM_TRAINING_AS_OPS_BACKWARD, CONV_TRANSPOSE_SYMMETRIC, DEPTHWISE_CONV_AS_MATMUL, *WEBGPU_REWRITES)}
 
 TARGETS: dict[str, tuple[str, ...]] = {
-    "cpu": ("conv_forward_patches", "conv_weight_grad_patches", "conv_input_grad_col2im", "conv_input_grad_flipped",
-            "relu_max_pool_taps", "max_pool_taps", "where_zero_as_mul"),
+    "cpu": ("conv_forward_patches", "conv_weight_grad_patches", "depthwise_weight_grad_patches",
+            "conv_input_grad_col2im", "conv_input_grad_flipped", "relu_max_pool_taps", "max_pool_taps",
+            "where_zero_as_mul"),
     # conv_transpose_symmetric_pads: the provider hands a ConvTranspose with asymmetric pads (a strided Conv's
     # input gradient) to the CPU provider: 29 ms against cuDNN's 0.6 ms, and the step's results went wrong
     # through the session's IOBinding (bench/gpu_bisect.py, H200, 2026-12-04)

@@ -56,7 +56,13 @@ def _weight_grad_check(view: GraphView, m: Match) -> str | None:
         return "x, dy and dW need static shapes (but for the batch axis)"
     if view.info(m.x).dtype not in FLOAT_TYPES:
         return "x is not a float tensor of known type"
-    kernel, taps = list(ws[2:]), int(np.prod(ws[2:]))
+    return _patches_check(m, xs, ys, list(ws[2:]))
+
+
+def _patches_check(m: Match, xs: tuple, ys: tuple, kernel: list[int]) -> str | None:
+    """Why the patches of x (``xs``) for a ``kernel`` are not the weight gradient's form, if they are not: a
+    kernel of more taps than :data:`_PATCH_MAX_TAPS`, patches not of dy's (``ys``) positions, or too many."""
+    taps = int(np.prod(kernel))
     if taps > _PATCH_MAX_TAPS:
         return f"a {'x'.join(map(str, kernel))} kernel: the swapped-role Conv is faster above {_PATCH_MAX_TAPS} taps"
     rank = m.rank
@@ -126,6 +132,70 @@ def _weight_grad_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]
 CONV_WEIGHT_GRAD_PATCHES = Rewrite(
     "conv_weight_grad_patches", "Conv", _weight_grad_pattern, _weight_grad_check, _weight_grad_replacement,
     "the swapped-role Conv of a weight gradient as one-hot-Conv patches and a Gemm")
+
+
+# -- depthwise weight gradient: the same patches, one batched MatMul per image and channel ----------------
+def _depthwise_weight_grad_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
+    """The canonical weight gradient of a grouped Conv (:func:`onnxgrad.rules.nn._filter_grad`): x as
+    ``Reshape(Transpose(Reshape(x, [N, G, Cg, *D]), [Cg, G, N, *D]), [Cg, G*N, *D])``, dy transposed, one
+    Conv of group G, transposed back [then cropped]; matched when it is depthwise (a channel per group, and
+    per output: checked by :func:`_depthwise_weight_grad_check`)."""
+    group = view.attr(node, "group", 1)
+    if len(node.input) != 2 or group == 1:
+        return None
+    joined, tdy = view.made_by(node.input[0], "Reshape"), view.made_by(node.input[1], "Transpose")
+    moved = view.made_by(joined.input[0], "Transpose") if joined is not None else None
+    split = view.made_by(moved.input[0], "Reshape") if moved is not None else None
+    if tdy is None or split is None:
+        return None
+    rank = len(view.attr(tdy, "perm", [])) - 2
+    back = view.only_reader(node.output[0], "Transpose")
+    if (rank < 1 or view.attr(moved, "perm") != [2, 1, 0, *range(3, 3 + rank)]
+            or not all(_is_swap(t, rank) for t in (tdy, back))):
+        return None
+    final = back
+    crop = view.only_reader(back.output[0], "Slice")
+    if crop is not None:
+        starts, axes = view.value(crop.input[1]), view.value(crop.input[3]) if len(crop.input) > 3 else None
+        if (starts is not None and not starts.any() and axes is not None
+                and list(axes) == list(range(2, 2 + rank)) and len(crop.input) < 5):
+            final = crop
+    return Match(final, [final.output[0]], dict(
+        conv=node, x=split.input[0], split=split.output[0], dy=tdy.input[0], rank=rank, group=group,
+        strides=view.attr(node, "dilations", [1] * rank), dilations=view.attr(node, "strides", [1] * rank),
+        pads=view.attr(node, "pads", [0] * (2 * rank))))
+
+
+def _depthwise_weight_grad_check(view: GraphView, m: Match) -> str | None:
+    xs, ys, ws = view.batched_shape(m.x), view.batched_shape(m.dy), view.shape(m.outputs[0])
+    split = view.batched_shape(m.split)
+    if xs is None or ys is None or ws is None or split is None:
+        return "x, dy and dW need static shapes (but for the batch axis)"
+    if view.info(m.x).dtype not in FLOAT_TYPES:
+        return "x is not a float tensor of known type"
+    if not (xs[1] == ys[1] == ws[0] == m.group and ws[1] == 1 and list(split[1:3]) == [m.group, 1]):
+        return f"not depthwise: {xs[1]} channels in {m.group} groups, {ys[1]} outputs"
+    return _patches_check(m, xs, ys, list(ws[2:]))
+
+
+def _depthwise_weight_grad_replacement(b: Builder, view: GraphView, m: Match) -> list[Var]:
+    """dW[c, k] = sum_{b, o} patches[b, c, k, o] * dy[b, c, o]: the one-hot-Conv patches of x
+    (:func:`_patches`, [N, C*K, *O]) by dy, a [K, O] by [O, 1] product per image and channel, summed over
+    the images."""
+    (n, c, *_), (_, _, *o) = view.batched_shape(m.x), view.batched_shape(m.dy)
+    kernel = list(view.shape(m.outputs[0])[2:])
+    taps, positions, batch = int(np.prod(kernel)), int(np.prod(o)), batch_target(n)
+    patches = _patches(b, view, m.x, c, kernel, m.strides, m.dilations, m.pads)              # [N, C*K, *O]
+    per_image = b.op.MatMul(b.op.Reshape(patches, b.ints([batch, c, taps, positions])),
+                            b.op.Reshape(b.var(m.dy), b.ints([batch, c, positions, 1])))   # [N, C, K, 1]
+    dw = per_image if n == 1 else b.sum(per_image, [0], keepdims=False)
+    return [b.op.Reshape(dw, b.ints([c, 1, *kernel]))]
+
+
+DEPTHWISE_WEIGHT_GRAD_PATCHES = Rewrite(
+    "depthwise_weight_grad_patches", "Conv", _depthwise_weight_grad_pattern, _depthwise_weight_grad_check,
+    _depthwise_weight_grad_replacement,
+    "the grouped swapped-role Conv of a depthwise weight gradient as one-hot-Conv patches and batched MatMuls")
 
 
 # -- forward: patches and one MatMul, the patches shared with the weight gradient ----------------------
