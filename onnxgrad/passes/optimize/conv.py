@@ -24,6 +24,18 @@ def _is_swap(node: onnx.NodeProto | None, rank: int) -> bool:
     return node is not None and GraphView.attr(node, "perm") == [1, 0, *range(2, 2 + rank)]
 
 
+def _cropped(view: GraphView, back: onnx.NodeProto, rank: int) -> onnx.NodeProto:
+    """The weight gradient's last node: the Slice from 0 to the kernel on the spatial axes that reads the
+    transposed-back Conv output ``back`` (its only reader), or ``back`` itself."""
+    crop = view.only_reader(back.output[0], "Slice")
+    if crop is None or len(crop.input) >= 5:
+        return back
+    starts, axes = view.value(crop.input[1]), view.value(crop.input[3]) if len(crop.input) > 3 else None
+    if starts is not None and not starts.any() and axes is not None and list(axes) == list(range(2, 2 + rank)):
+        return crop
+    return back
+
+
 # -- weight gradient: patches from a one-hot grouped Conv, then one Gemm --------------------------
 def _weight_grad_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
     """dW = Transpose(Conv(Transpose(x), Transpose(dy), strides=d, dilations=s, pads)) [then Slice to
@@ -37,13 +49,7 @@ def _weight_grad_pattern(view: GraphView, node: onnx.NodeProto) -> Match | None:
     back = view.only_reader(node.output[0], "Transpose")
     if rank < 1 or not all(_is_swap(t, rank) for t in (tx, tdy, back)):
         return None
-    final = back
-    crop = view.only_reader(back.output[0], "Slice")
-    if crop is not None:
-        starts, axes = view.value(crop.input[1]), view.value(crop.input[3]) if len(crop.input) > 3 else None
-        if (starts is not None and not starts.any() and axes is not None
-                and list(axes) == list(range(2, 2 + rank)) and len(crop.input) < 5):
-            final = crop
+    final = _cropped(view, back, rank)
     return Match(final, [final.output[0]], dict(
         conv=node, x=tx.input[0], dy=tdy.input[0], rank=rank,
         strides=view.attr(node, "dilations", [1] * rank), dilations=view.attr(node, "strides", [1] * rank),
@@ -153,13 +159,7 @@ def _depthwise_weight_grad_pattern(view: GraphView, node: onnx.NodeProto) -> Mat
     if (rank < 1 or view.attr(moved, "perm") != [2, 1, 0, *range(3, 3 + rank)]
             or not all(_is_swap(t, rank) for t in (tdy, back))):
         return None
-    final = back
-    crop = view.only_reader(back.output[0], "Slice")
-    if crop is not None:
-        starts, axes = view.value(crop.input[1]), view.value(crop.input[3]) if len(crop.input) > 3 else None
-        if (starts is not None and not starts.any() and axes is not None
-                and list(axes) == list(range(2, 2 + rank)) and len(crop.input) < 5):
-            final = crop
+    final = _cropped(view, back, rank)
     return Match(final, [final.output[0]], dict(
         conv=node, x=split.input[0], split=split.output[0], dy=tdy.input[0], rank=rank, group=group,
         strides=view.attr(node, "dilations", [1] * rank), dilations=view.attr(node, "strides", [1] * rank),
