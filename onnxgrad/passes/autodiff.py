@@ -401,8 +401,8 @@ class _Pass:
         unknown (an export's symbolic batch axis): the output's dim there is the same symbol, or every other
         input lacks the axis or has 1 there."""
         out, mine = self.infos.get(node.output[0]), self.infos.get(node.input[i])
-        if out is None or mine is None or out.shape is None or mine.shape is None:
-            return set()
+        if out is None or mine is None or out.shape is None or mine.shape is None or None not in mine.shape:
+            return set()        # (a static input: unbroadcast decides from the dims themselves)
         rank, lead = len(out.shape), len(out.shape) - len(mine.shape)
         names = _dim_names(self.types.get(node.output[0])), _dim_names(self.types.get(node.input[i]))
         others = [self.infos.get(x) for j, x in enumerate(node.input) if j != i and x]
