@@ -72,6 +72,28 @@ def test_session_keeps_no_numpy_or_proto_copy_of_the_trained_tensors():
         np.testing.assert_array_equal(exported[name], value)
 
 
+def test_onnxruntime_is_handed_a_path_and_keeps_no_copy_of_the_graph(monkeypatch):
+    """onnxruntime's Python session keeps the bytes it was built from for its life (EfficientNet-B0's training
+    graph: 7.8 MB); built from a path it keeps none. The temporary file is gone once the session is built."""
+    import onnxruntime as ort
+
+    given = {}
+
+    class Recording(ort.InferenceSession):
+        def __init__(self, source, *args, **kwargs):
+            super().__init__(source, *args, **kwargs)
+            given[id(self)] = source
+
+    monkeypatch.setattr(ort, "InferenceSession", Recording)
+    s = TrainingSession(mlp_model(), loss=ce(), optimizer=optim.AdamW(lr=1e-2))
+    s.step(batch(0))
+    s.eval(batch(1))
+    kept = [s._train, *(sess for sess, *_ in s._evals.values())]
+    sources = [given[id(sess)] for sess in kept]
+    assert len(sources) == 2 and all(isinstance(x, str) for x in sources), [type(x) for x in sources]
+    assert not any(Path(x).exists() for x in sources)
+
+
 @pytest.mark.parametrize("optimizer", [optim.AdamW(lr=1e-2), optim.SGD(lr=0.1, momentum=0.9, nesterov=True),
                                        optim.Adagrad(lr=0.1)], ids=["adamw", "sgd", "adagrad"])
 def test_in_place_training_is_bit_identical_to_feeding_the_outputs_back(optimizer):

@@ -857,7 +857,7 @@ class TrainingSession:
         # onnxruntime's common-subexpression elimination would merge recomputed activations back into
         # the forward nodes they copy (onnxgrad.passes.recompute)
         disabled = list(ORT_DISABLED_OPTIMIZERS) if self.spec.recompute else None
-        with runnable(model) as source:     # a model over 2 GB: by path, its data beside it
+        with runnable(model, by_path=True) as source:     # by path: onnxruntime keeps no copy of the bytes
             return ort.InferenceSession(source, opts, providers=self._providers, disabled_optimizers=disabled)
 
     def _eval_session(self, with_loss: bool) -> tuple[Any, dict[str, F.Declared], list[str], list[str]]:
