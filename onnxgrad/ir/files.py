@@ -217,12 +217,13 @@ def runnable(model: onnx.ModelProto, by_path: bool = False) -> Iterator["bytes |
     over protobuf's 2 GB limit (saved with its data beside it), and with ``by_path`` for any: onnxruntime's
     Python session keeps the bytes it was given for its life (EfficientNet-B0's training graph: 7.8 MB), a
     path costs it nothing."""
-    if not by_path and not over_limit(model):
+    big = over_limit(model)             # sizing walks the whole message: once
+    if not by_path and not big:
         yield model.SerializeToString()
         return
     with tempfile.TemporaryDirectory(prefix="onnxgrad-") as scratch:
         path = os.path.join(scratch, "model.onnx")
-        if over_limit(model):
+        if big:
             save_model(model, path)
         else:
             with open(path, "wb") as f:
